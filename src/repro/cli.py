@@ -1,0 +1,64 @@
+"""The ``repro`` command: the project's tools as subcommands (also ``python -m repro``).
+
+Training itself is ``python train.py ...`` (Hydra's command line)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from repro.errors import ReproError
+
+
+def _checkpoint_path(path: Path, name: str = "checkpoint.pt") -> Path:
+    if path.is_dir():
+        path = path / name
+    if not path.is_file():
+        raise ReproError(f"{path}: no such checkpoint; give a checkpoint file or a run directory.")
+    return path
+
+
+def cmd_digest(args: argparse.Namespace) -> int:
+    """Print the weights' SHA-256 of a checkpoint (same as summary.json's weights_sha256)."""
+    from repro.checkpoint import load_checkpoint
+    from repro.trace import state_dict_sha256
+
+    path = _checkpoint_path(Path(args.path))
+    try:
+        state = load_checkpoint(path)
+    except Exception as err:
+        raise ReproError(f"{path}: not a readable repro checkpoint ({type(err).__name__}).") from err
+    if not isinstance(state, dict) or "model" not in state:
+        raise ReproError(f"{path}: not a repro checkpoint (no 'model' entry).")
+    print(f"{state_dict_sha256(state['model'])}  {path}")
+    return 0
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    """Print the environment fingerprint as JSON."""
+    from repro.trace import environment
+
+    print(json.dumps(environment(), indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="repro", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("digest", help=cmd_digest.__doc__)
+    p.add_argument("path", help="checkpoint file, or a run directory holding checkpoint.pt")
+    p.set_defaults(func=cmd_digest)
+    p = sub.add_parser("env", help=cmd_env.__doc__)
+    p.set_defaults(func=cmd_env)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ReproError as err:
+        print(f"repro {args.command}: {err}", file=sys.stderr)
+        return 2

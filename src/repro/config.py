@@ -1,0 +1,246 @@
+"""The config schema (DESIGN.md, principle 5).
+
+Dataclasses stored in Hydra's ``ConfigStore`` sit under the YAML files in ``conf/``: Hydra
+checks types and enum choices while composing (``trainer.max_steps=abc`` and
+``amp.dtype=int8`` fail there, naming the key), and :func:`validate` checks ranges and
+relations (``loader.num_workers=-1``, a batch not divisible by the micro-batch) before
+anything runs. Errors are one line naming the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import uuid
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from repro.errors import ConfigError
+
+class Choice(str, Enum):
+    """An enum whose ``str()`` is its value (``str(AmpDtype.float16) == "float16"``)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class DeterminismMode(Choice):
+    strict = "strict"
+    fast = "fast"
+    warn = "warn"
+
+
+class AmpDtype(Choice):
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class OptimName(Choice):
+    sgd = "sgd"
+    adamw = "adamw"
+
+
+class OptimImplementation(Choice):
+    """Fused, foreach and for-loop optimizers are each deterministic but not bit-equal to
+    each other, so the choice is pinned in the config rather than left to PyTorch."""
+
+    foreach = "foreach"
+    fused = "fused"
+    for_loop = "for_loop"
+
+
+class Schedule(Choice):
+    constant = "constant"
+    cosine = "cosine"
+
+
+@dataclass
+class DeterminismConfig:
+    mode: DeterminismMode = DeterminismMode.strict
+    # layer 0: the process environment (re-exec once when missing)
+    pin_process_env: bool = True
+    pythonhashseed: str = "0"
+    cublas_workspace_config: str = ":4096:8"
+    # layer 1: CPU
+    cpu_threads: Optional[int] = 2  # null: leave PyTorch's default (and record it)
+    # layer 2: GPU kernels
+    deterministic_algorithms: bool = True
+    warn_only: bool = False
+    cudnn_deterministic: bool = True
+    cudnn_benchmark: bool = False
+    allow_tf32: bool = False
+    fill_uninitialized_memory: bool = True
+
+
+@dataclass
+class LoaderConfig:
+    num_workers: int = 0
+    pin_memory: bool = False
+    persistent_workers: bool = False
+    prefetch_factor: Optional[int] = None
+
+
+@dataclass
+class AmpConfig:
+    enabled: bool = False
+    dtype: AmpDtype = AmpDtype.bfloat16
+
+
+@dataclass
+class OptimConfig:
+    name: OptimName = OptimName.sgd
+    lr: float = 0.05
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 5e-4
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    implementation: OptimImplementation = OptimImplementation.foreach
+    schedule: Schedule = Schedule.cosine
+    warmup_steps: int = 0
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 300
+    batch_size: int = 64
+    micro_batch_size: int = 32
+    eval_every: int = 100
+    eval_batch_size: int = 256
+    log_every: int = 10
+    progress: bool = True
+    checkpoint_name: str = "checkpoint.pt"
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 0
+    device: str = "auto"
+    determinism: DeterminismConfig = field(default_factory=DeterminismConfig)
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
+    amp: AmpConfig = field(default_factory=AmpConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    # Models and datasets arrive by ``_target_``: any keys, checked in validate().
+    model: Any = MISSING
+    data: Any = MISSING
+
+
+def register_configs() -> None:
+    """Store the schema; ``conf/train.yaml`` lists it first in its defaults, so every group
+    file is merged into a typed node."""
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def _new_run_id() -> str:
+    return f"{os.getpid() % 100000:05d}{uuid.uuid4().hex[:4]}"
+
+
+def register_resolvers() -> None:
+    """``${repro.run_id:}``: a short id, fixed for the whole launch (resolver cache is shared
+    with every job of a sweep), distinct between two launches in the same second."""
+    if not OmegaConf.has_resolver("repro.run_id"):
+        OmegaConf.register_new_resolver("repro.run_id", _new_run_id, use_cache=True)
+
+
+register_configs()
+register_resolvers()
+
+
+def locate(path: str) -> Any:
+    """Import ``package.module.attr`` (the longest importable module prefix, then attributes)."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(f"no module found for {path!r}")
+
+
+def _fail(key: str, value: Any, allowed: str) -> None:
+    raise ConfigError(f"config error: {key}={value!r} is invalid; allowed: {allowed}.")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Range and relation checks the type system cannot express. Raises :class:`ConfigError`."""
+    for group in cfg:
+        if group != "hydra" and isinstance(cfg[group], DictConfig):
+            for key in sorted(OmegaConf.missing_keys(cfg[group])):  # full keys, e.g. data.path
+                raise ConfigError(f"config error: {key} is required (??? in the config); set {key}=...")
+    t, ld, d = cfg.trainer, cfg.loader, cfg.determinism
+    if cfg.seed < 0 or cfg.seed >= 2**63:
+        _fail("seed", cfg.seed, "an integer in [0, 2**63)")
+    if cfg.device not in ("auto", "cpu", "cuda") and not str(cfg.device).startswith("cuda:"):
+        _fail("device", cfg.device, "auto, cpu, cuda or cuda:N")
+    for key in ("max_steps", "batch_size", "micro_batch_size", "eval_every", "eval_batch_size",
+                "log_every"):
+        if t[key] < 1:
+            _fail(f"trainer.{key}", t[key], "an integer >= 1")
+    if t.batch_size % t.micro_batch_size != 0:
+        raise ConfigError(
+            f"config error: trainer.batch_size={t.batch_size} is not divisible by "
+            f"trainer.micro_batch_size={t.micro_batch_size}; choose a batch size that is a "
+            "multiple of the micro-batch size (a step is K equal micro-batches)."
+        )
+    if ld.num_workers < 0:
+        _fail("loader.num_workers", ld.num_workers, "an integer >= 0 (0 loads in the main process)")
+    if ld.prefetch_factor is not None and ld.prefetch_factor < 1:
+        _fail("loader.prefetch_factor", ld.prefetch_factor, "null or an integer >= 1")
+    if ld.num_workers == 0 and (ld.persistent_workers or ld.prefetch_factor is not None):
+        raise ConfigError(
+            "config error: loader.persistent_workers/loader.prefetch_factor need "
+            "loader.num_workers >= 1; set loader.num_workers or drop them."
+        )
+    if d.cpu_threads is not None and d.cpu_threads < 1:
+        _fail("determinism.cpu_threads", d.cpu_threads, "null or an integer >= 1")
+    if d.cublas_workspace_config not in (":4096:8", ":16:8"):
+        _fail("determinism.cublas_workspace_config", d.cublas_workspace_config, "':4096:8' or ':16:8'")
+    o = cfg.optim
+    if not o.lr > 0:
+        _fail("optim.lr", o.lr, "a number > 0")
+    if o.weight_decay < 0:
+        _fail("optim.weight_decay", o.weight_decay, "a number >= 0")
+    if not 0 <= o.momentum < 1:
+        _fail("optim.momentum", o.momentum, "a number in [0, 1)")
+    if o.nesterov and o.momentum == 0:
+        _fail("optim.nesterov", True, "false when optim.momentum=0 (Nesterov needs momentum)")
+    if o.warmup_steps < 0:
+        _fail("optim.warmup_steps", o.warmup_steps, "an integer >= 0")
+    for group in ("model", "data"):
+        node = cfg.get(group)
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            raise ConfigError(
+                f"config error: {group} has no _target_; pick a preset ({group}=...) or give "
+                f"{group}._target_=package.module.Factory."
+            )
+        try:
+            locate(node._target_)
+        except Exception as err:
+            raise ConfigError(
+                f"config error: {group}._target_={node._target_!r} cannot be imported "
+                f"({type(err).__name__}); check the dotted path and that its package is installed."
+            ) from None
+
+
+def resolved_container(cfg: DictConfig) -> dict[str, Any]:
+    """The fully resolved config as plain Python (enums as their names), without ``hydra``."""
+    container = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    assert isinstance(container, dict)
+    container.pop("hydra", None)
+    return container
+
+
+def config_hash(cfg: DictConfig) -> str:
+    """SHA-256 of the resolved config (canonical JSON, sorted keys)."""
+    blob = json.dumps(resolved_container(cfg), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()

@@ -1,0 +1,303 @@
+"""Datasets, keyed augmentation, the resumable keyed sampler and the loader factory.
+
+Layer 3 of the defense. The sampler yields *keys* ``(epoch, index)``, not bare indices;
+the dataset derives each sample's augmentation generator from ``(seed, "augment", epoch,
+index)``. Which worker loads a sample, and how many workers there are, cannot change it.
+
+A dataset is any function that returns :class:`DataSplits`; a config selects it with
+``_target_`` (see ``conf/data/``). Images are uint8 ``C×H×W`` tensors; they become floats on
+the device (:func:`to_device`), where the conversion is cheap and the transfer 4× smaller.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+from repro.errors import DataError
+from repro.rng import keyed_generator, keyed_permutation, worker_init_fn
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+
+
+@dataclass
+class TensorImages:
+    """An in-memory split: ``images`` uint8 N×C×H×W, ``labels`` int64 N."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.images.dtype != torch.uint8 or self.images.dim() != 4:
+            raise ValueError("images must be a uint8 tensor of shape N×C×H×W")
+        if len(self.images) != len(self.labels):
+            raise ValueError("images and labels differ in length")
+        self.labels = self.labels.to(torch.int64)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+@dataclass
+class DataSplits:
+    """What a dataset factory returns: a training and a validation split plus metadata."""
+
+    train: TensorImages
+    val: TensorImages
+    num_classes: int
+    augment: bool = True
+    mean: tuple[float, ...] | None = None  # per channel, in [0, 1]; computed from train if None
+    std: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.mean is None or self.std is None:
+            x = self.train.images.to(torch.float64).div(255)
+            self.mean = tuple(x.mean(dim=(0, 2, 3)).tolist())
+            self.std = tuple(x.std(dim=(0, 2, 3)).clamp_min(1e-3).tolist())
+
+    @property
+    def in_channels(self) -> int:
+        return int(self.train.images.shape[1])
+
+
+# --------------------------------------------------------------------------- datasets
+
+
+def synthetic(
+    seed: int = 1234,
+    num_classes: int = 10,
+    train_size: int = 4096,
+    val_size: int = 1024,
+    image_size: int = 32,
+    noise: float = 0.35,
+    augment: bool = True,
+) -> DataSplits:
+    """A learnable image-classification set generated from ``seed`` (the *data* seed).
+
+    Class c is an oriented sinusoidal grating (angle and frequency set by c) tinted with a
+    class colour; every sample gets a random phase, contrast, slight rotation and Gaussian
+    noise, so the task needs a few hundred SGD steps, not one.
+    """
+    if num_classes < 2 or train_size < 1 or val_size < 1 or image_size < 8:
+        raise DataError(
+            "data: synthetic needs num_classes >= 2, train_size/val_size >= 1 and "
+            "image_size >= 8; fix the data.* values."
+        )
+    palette = torch.rand(num_classes, 3, generator=keyed_generator(seed, "synthetic-palette"))
+    palette = 0.35 + 0.65 * palette
+
+    def make(split: str, n: int) -> TensorImages:
+        g = keyed_generator(seed, "synthetic-" + split)
+        labels = torch.arange(n) % num_classes
+        labels = labels[torch.randperm(n, generator=g)]
+        angle = math.pi * labels / num_classes + 0.15 * torch.randn(n, generator=g)
+        freq = 1.5 + (labels % 4).to(torch.float32) * 0.9
+        phase = 2 * math.pi * torch.rand(n, generator=g)
+        contrast = 0.5 + 0.5 * torch.rand(n, generator=g)
+        coords = torch.linspace(-0.5, 0.5, image_size)
+        yy, xx = torch.meshgrid(coords, coords, indexing="ij")
+        proj = xx[None] * torch.cos(angle)[:, None, None] + yy[None] * torch.sin(angle)[:, None, None]
+        wave = torch.sin(2 * math.pi * freq[:, None, None] * proj + phase[:, None, None])
+        img = 0.5 + 0.45 * contrast[:, None, None, None] * wave[:, None] * palette[labels][:, :, None, None]
+        img = img + noise * torch.randn(n, 3, image_size, image_size, generator=g)
+        images = (img.clamp(0, 1) * 255).round().to(torch.uint8)
+        return TensorImages(images, labels)
+
+    return DataSplits(make("train", train_size), make("val", val_size), num_classes, augment)
+
+
+def image_folder(
+    path: str,
+    image_size: int = 32,
+    val_fraction: float = 0.1,
+    seed: int = 1234,
+    augment: bool = True,
+) -> DataSplits:
+    """Your own images, one sub-folder per class (``root/cat/1.png``, ``root/dog/7.jpg``).
+
+    Loaded into memory at ``image_size``×``image_size`` RGB. Classes and files are taken in
+    sorted order and the validation split is a permutation keyed by ``seed``, so the same
+    folder gives the same splits everywhere."""
+    try:
+        from PIL import Image
+    except ImportError as err:
+        raise DataError("data=image_folder needs Pillow: pip install -e '.[images]'.") from err
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise DataError(
+            f"data.path={path!r} is not a directory; point it at a folder with one "
+            "sub-folder of images per class."
+        )
+    if not 0 < val_fraction < 1:
+        raise DataError(f"data.val_fraction={val_fraction} is invalid; allowed: a number in (0, 1).")
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    files = [
+        (f, label)
+        for label, name in enumerate(classes)
+        for f in sorted((root / name).rglob("*"))
+        if f.suffix.lower() in IMAGE_SUFFIXES
+    ]
+    if len(classes) < 2 or not files:
+        raise DataError(
+            f"data.path={path!r} holds {len(classes)} class folder(s) and {len(files)} "
+            "image(s); it needs at least 2 class sub-folders with images in them."
+        )
+    images = torch.empty(len(files), 3, image_size, image_size, dtype=torch.uint8)
+    for i, (f, _) in enumerate(files):
+        try:
+            with Image.open(f) as im:
+                im = im.convert("RGB").resize((image_size, image_size), Image.BILINEAR)
+                images[i] = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).view(
+                    image_size, image_size, 3).permute(2, 0, 1)
+        except OSError as err:
+            raise DataError(f"data: cannot read image {f}: {err}; remove or fix the file.") from err
+    labels = torch.tensor([label for _, label in files])
+    order = keyed_permutation(len(files), seed, "image-folder-split")
+    n_val = max(1, round(val_fraction * len(files)))
+    val_idx, train_idx = order[:n_val].sort().values, order[n_val:].sort().values
+    if len(train_idx) == 0:
+        raise DataError(f"data.path={path!r}: too few images to hold out data.val_fraction.")
+    return DataSplits(TensorImages(images[train_idx], labels[train_idx]),
+                      TensorImages(images[val_idx], labels[val_idx]), len(classes), augment)
+
+
+def cifar10(root: str = "data/cifar10", download: bool = True, augment: bool = True) -> DataSplits:
+    """CIFAR-10 through torchvision (an optional extra)."""
+    try:
+        import torchvision
+    except ImportError as err:
+        raise DataError("data=cifar10 needs torchvision: pip install -e '.[cifar10]'.") from err
+
+    def load(train: bool) -> TensorImages:
+        try:
+            ds = torchvision.datasets.CIFAR10(root=root, train=train, download=download)
+        except Exception as err:  # download or integrity failures surface as many types
+            raise DataError(
+                f"data=cifar10: could not load CIFAR-10 from data.root={root!r} ({err}); "
+                "check the network, or place the extracted 'cifar-10-batches-py' folder there."
+            ) from err
+        images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()
+        return TensorImages(images, torch.tensor(ds.targets))
+
+    return DataSplits(load(True), load(False), 10, augment,
+                      mean=(0.4914, 0.4822, 0.4465), std=(0.2470, 0.2435, 0.2616))
+
+
+# --------------------------------------------------------------- keyed augmentation
+
+
+def random_crop_flip(image: torch.Tensor, generator: torch.Generator, pad: int = 4) -> torch.Tensor:
+    """Pad with zeros, crop back to size at a random offset, flip horizontally half the time."""
+    c, h, w = image.shape
+    dy, dx = torch.randint(0, 2 * pad + 1, (2,), generator=generator).tolist()
+    flip = bool(torch.randint(0, 2, (1,), generator=generator))
+    padded = F.pad(image, (pad, pad, pad, pad))
+    out = padded[:, dy : dy + h, dx : dx + w]
+    if flip:
+        out = out.flip(-1)
+    return out.contiguous()
+
+
+class KeyedAugmentDataset(Dataset):
+    """Looks samples up by key ``(epoch, index)`` and augments each with a generator keyed by
+    ``(seed, "augment", epoch, index)``: the same sample in the same epoch gets the same crop
+    and flip in any worker, any process, after any restart."""
+
+    def __init__(self, split: TensorImages, seed: int, augment: bool) -> None:
+        self.split, self.seed, self.augment = split, seed, augment
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        epoch, index = key
+        image, label = self.split.images[index], self.split.labels[index]
+        if self.augment:
+            image = random_crop_flip(image, keyed_generator(self.seed, "augment", epoch, index))
+        return image, label
+
+
+# ------------------------------------------------------------------ sampler, loader
+
+
+class KeyedBatchSampler:
+    """Yields micro-batches of keys ``(epoch, index)``, forever, from global step ``start_step``.
+
+    Step s covers positions ``[p*B, (p+1)*B)`` of epoch e's permutation (``e, p =
+    divmod(s, steps_per_epoch)``), keyed by ``(seed, "order", e)``; the tail of an epoch that
+    does not fill a global batch is dropped. Each step is split into K = B/m micro-batches.
+    Where a step's samples come from is a pure function of the step: resuming is starting
+    at another ``start_step``.
+    """
+
+    def __init__(self, dataset_size: int, batch_size: int, micro_batch_size: int, seed: int,
+                 start_step: int = 0) -> None:
+        if dataset_size < batch_size:
+            raise DataError(
+                f"the training split has {dataset_size} samples, fewer than "
+                f"trainer.batch_size={batch_size}; lower the batch size or use more data."
+            )
+        self.n, self.batch_size, self.micro = dataset_size, batch_size, micro_batch_size
+        self.seed, self.start_step = seed, start_step
+        self.steps_per_epoch = dataset_size // batch_size
+
+    def step_keys(self, step: int) -> list[tuple[int, int]]:
+        epoch, pos = divmod(step, self.steps_per_epoch)
+        perm = self._permutation(epoch)
+        return [(epoch, i) for i in perm[pos * self.batch_size : (pos + 1) * self.batch_size]]
+
+    def _permutation(self, epoch: int) -> list[int]:
+        if getattr(self, "_cached_epoch", None) != epoch:
+            self._cached_epoch = epoch
+            self._cached_perm = keyed_permutation(self.n, self.seed, "order", epoch).tolist()
+        return self._cached_perm
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        step = self.start_step
+        while True:
+            keys = self.step_keys(step)
+            for k in range(0, self.batch_size, self.micro):
+                yield keys[k : k + self.micro]
+            step += 1
+
+
+def make_train_loader(splits: DataSplits, seed: int, batch_size: int, micro_batch_size: int,
+                      loader_cfg, pin_memory: bool, start_step: int = 0) -> DataLoader:
+    """A DataLoader over micro-batches of the training split (infinite; the loop counts)."""
+    workers = int(loader_cfg.num_workers)
+    extra = {}
+    if workers > 0:
+        extra["persistent_workers"] = bool(loader_cfg.persistent_workers)
+        if loader_cfg.prefetch_factor is not None:
+            extra["prefetch_factor"] = int(loader_cfg.prefetch_factor)
+    return DataLoader(
+        KeyedAugmentDataset(splits.train, seed, splits.augment),
+        batch_sampler=KeyedBatchSampler(len(splits.train), batch_size, micro_batch_size, seed,
+                                        start_step),
+        num_workers=workers,
+        pin_memory=pin_memory,
+        worker_init_fn=worker_init_fn,
+        # the base seed of the workers' torch/random state: keyed, not the global RNG's
+        generator=keyed_generator(seed, "loader"),
+        **extra,
+    )
+
+
+class DeviceNormalizer:
+    """uint8 images -> normalised float32 on the device."""
+
+    def __init__(self, splits: DataSplits, device: torch.device) -> None:
+        shape = (1, -1, 1, 1)
+        self.device = device
+        self.mean = torch.tensor(splits.mean, device=device).view(shape)
+        self.std = torch.tensor(splits.std, device=device).view(shape)
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = images.to(self.device, non_blocking=True).float().div_(255).sub_(self.mean).div_(self.std)
+        return x, labels.to(self.device, non_blocking=True)

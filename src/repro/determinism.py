@@ -1,0 +1,299 @@
+"""The four layers of the defense (DESIGN.md, principle 2) and the determinism report.
+
+Applied by the entrypoint, in order, before the model or the loader exists:
+
+0. process environment: ``PYTHONHASHSEED`` and ``CUBLAS_WORKSPACE_CONFIG`` only work when
+   they are in place before the interpreter (resp. cuBLAS) starts, so strict mode re-executes
+   the process once when they are missing (:class:`PrepareRunCallback`), then verifies;
+1. CPU: ``random``, NumPy, torch's CPU generator; intra-op thread count fixed and recorded;
+2. GPU: cuDNN deterministic/benchmark, ``use_deterministic_algorithms``, TF32, CUDA generators;
+3. data: keyed sampler and per-sample augmentation seeds, ``worker_init_fn`` (``repro.data``);
+4. ops: AMP policy, keyed forward randomness, pinned optimizer implementation (``repro.loop``).
+
+Layers 3 and 4 are implemented where the data and the step live; the report records them.
+The report says what was set, what was read back and found in effect, and what is not covered.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from repro.config import validate
+from repro.errors import DeterminismError, ReproError
+from repro.rng import seed_global_rngs
+
+REEXEC_MARKER = "REPRO_REEXECUTED"
+TF32_OVERRIDE = "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"
+_HASH_PROBE = "repro determinism probe"
+
+NOT_COVERED = [
+    "bits across GPU models (cuBLAS/cuDNN pick kernels by architecture and SM count), "
+    "across PyTorch/CUDA releases, and between CPU and GPU",
+    "third-party code with its own RNG that does not draw from the seeded global generators",
+    "custom CUDA extensions and ops PyTorch does not know to be nondeterministic",
+]
+
+
+def _strict_like(dcfg: DictConfig) -> bool:
+    return str(dcfg.mode) in ("strict", "warn")
+
+
+def required_process_env(dcfg: DictConfig) -> dict[str, str]:
+    return {
+        "PYTHONHASHSEED": str(dcfg.pythonhashseed),
+        "CUBLAS_WORKSPACE_CONFIG": str(dcfg.cublas_workspace_config),
+    }
+
+
+def process_env_missing(dcfg: DictConfig) -> list[str]:
+    """Names of the layer-0 variables that are not as strict mode needs them."""
+    missing = [k for k, v in required_process_env(dcfg).items() if os.environ.get(k) != v]
+    if os.environ.get(TF32_OVERRIDE) == "1" and not dcfg.allow_tf32:
+        missing.append(TF32_OVERRIDE)
+    return missing
+
+
+def pin_process_environment(dcfg: DictConfig) -> None:
+    """Layer 0: in strict/warn mode, re-execute this process once with the environment it
+    needs. Must run before torch touches CUDA and before any run directory is created."""
+    if not (_strict_like(dcfg) and dcfg.pin_process_env):
+        return
+    missing = process_env_missing(dcfg)
+    if not missing:
+        return
+    if os.environ.get(REEXEC_MARKER):
+        raise DeterminismError(
+            f"determinism: {', '.join(missing)} still not in effect after re-executing; "
+            "something resets the environment: export them before starting, or use "
+            "determinism=fast."
+        )
+    env = dict(os.environ)
+    env.update(required_process_env(dcfg))
+    if not dcfg.allow_tf32:
+        env.pop(TF32_OVERRIDE, None)  # it silently turns TF32 on
+    env[REEXEC_MARKER] = "1"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def exit_with(error: ReproError) -> NoReturn:
+    """Print a user error as its one line and exit 1.
+
+    ``SystemExit`` rather than the exception itself: Hydra turns exceptions raised in a
+    callback into warnings and goes on, but lets ``SystemExit`` through."""
+    print(f"error: {error}", file=sys.stderr)
+    raise SystemExit(1)
+
+
+class PrepareRunCallback(Callback):
+    """Hydra callback: validate the config and pin the process environment before Hydra
+    creates any run or sweep directory (so a bad value leaves nothing behind)."""
+
+    def _prepare(self, config: DictConfig) -> None:
+        try:
+            validate(config)
+            pin_process_environment(config.determinism)
+        except ReproError as err:
+            exit_with(err)
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._prepare(config)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._prepare(config)
+
+
+@dataclass
+class Entry:
+    layer: str
+    name: str
+    value: Any  # what is in effect, read back where possible
+    requested: Any = None
+    verified: bool | None = None  # True: read back and as requested; None: nothing to read back
+    note: str = ""
+
+
+@dataclass
+class DeterminismReport:
+    mode: str
+    device: str
+    entries: list[Entry] = field(default_factory=list)
+    not_covered: list[str] = field(default_factory=lambda: list(NOT_COVERED))
+
+    def add(self, layer: str, name: str, value: Any, requested: Any = None,
+            verified: bool | None = None, note: str = "") -> None:
+        if verified is None and requested is not None:
+            verified = value == requested
+        self.entries.append(Entry(layer, name, value, requested, verified, note))
+
+    @property
+    def failures(self) -> list[Entry]:
+        return [e for e in self.entries if e.verified is False]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "device": self.device,
+                "entries": [asdict(e) for e in self.entries], "not_covered": self.not_covered}
+
+    def format(self) -> str:
+        mark = {True: "ok", False: "NOT IN EFFECT", None: "set"}
+        lines = [f"determinism report: mode={self.mode}, device={self.device}"]
+        layer = None
+        for e in self.entries:
+            if e.layer != layer:
+                layer = e.layer
+                lines.append(f"  [{layer}]")
+            note = f"  ({e.note})" if e.note else ""
+            lines.append(f"    {e.name:<34} {e.value!s:<28} {mark[e.verified]}{note}")
+        lines.append("  not covered: " + "; ".join(self.not_covered))
+        return "\n".join(lines)
+
+    def save(self, run_dir: Path) -> None:
+        (run_dir / "determinism.json").write_text(json.dumps(self.to_dict(), indent=2, default=str))
+        (run_dir / "determinism.txt").write_text(self.format() + "\n")
+
+
+def hash_seed_in_effect(value: str) -> bool:
+    """Does this interpreter hash strings the way one started with PYTHONHASHSEED=value does?
+
+    Setting ``os.environ`` later changes nothing in a running interpreter; this compares the
+    hash of a fixed string here with the one a fresh interpreter computes."""
+    probe = f"print(hash({_HASH_PROBE!r}))"
+    env = {**os.environ, "PYTHONHASHSEED": value}
+    out = subprocess.run([sys.executable, "-S", "-c", probe], env=env, capture_output=True,
+                         text=True, check=True)
+    return int(out.stdout) == hash(_HASH_PROBE)
+
+
+def _layer0_process(report: DeterminismReport, dcfg: DictConfig, device: torch.device) -> None:
+    name = "0 process environment"
+    strict = _strict_like(dcfg)
+    seed = os.environ.get("PYTHONHASHSEED")
+    if strict:
+        in_effect = seed == str(dcfg.pythonhashseed) and hash_seed_in_effect(seed)
+        report.add(name, "PYTHONHASHSEED", seed, str(dcfg.pythonhashseed), in_effect,
+                   "str hash of a probe matches a fresh interpreter's" if in_effect else
+                   "set it before the interpreter starts (train.py re-executes itself)")
+    else:
+        report.add(name, "PYTHONHASHSEED", seed, note="not pinned in fast mode")
+    cublas = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    cuda_note = "in the environment before CUDA initialised" if device.type == "cuda" else \
+        "no CUDA device: recorded only"
+    if strict:
+        report.add(name, "CUBLAS_WORKSPACE_CONFIG", cublas, str(dcfg.cublas_workspace_config),
+                   note=cuda_note + "; torch>=2.10 no longer needs it")
+    else:
+        report.add(name, "CUBLAS_WORKSPACE_CONFIG", cublas, note="not pinned in fast mode")
+    override = os.environ.get(TF32_OVERRIDE)
+    report.add(name, TF32_OVERRIDE, override,
+               verified=None if dcfg.allow_tf32 else override != "1",
+               note="'1' silently turns TF32 on")
+    report.add(name, "re-executed to pin the environment", bool(os.environ.get(REEXEC_MARKER)))
+
+
+def _layer1_cpu(report: DeterminismReport, cfg: DictConfig) -> None:
+    name = "1 CPU"
+    seeds = seed_global_rngs(int(cfg.seed))
+    for rng, value in seeds.items():
+        report.add(name, f"seed {rng}", value, note="derive_seed(seed, 'global', i)")
+    threads = cfg.determinism.cpu_threads
+    if threads is not None:
+        torch.set_num_threads(int(threads))
+        report.add(name, "torch intra-op threads", torch.get_num_threads(), int(threads))
+    else:
+        report.add(name, "torch intra-op threads", torch.get_num_threads(),
+                   note="PyTorch's default (differs between machines)")
+    report.add(name, "torch inter-op threads", torch.get_num_interop_threads())
+    report.add(name, "cpu count", os.cpu_count())
+
+
+def _layer2_gpu(report: DeterminismReport, dcfg: DictConfig, device: torch.device) -> None:
+    name = "2 GPU kernels"
+    torch.backends.cudnn.deterministic = bool(dcfg.cudnn_deterministic)
+    torch.backends.cudnn.benchmark = bool(dcfg.cudnn_benchmark)
+    torch.use_deterministic_algorithms(bool(dcfg.deterministic_algorithms),
+                                       warn_only=bool(dcfg.warn_only))
+    torch.utils.deterministic.fill_uninitialized_memory = bool(dcfg.fill_uninitialized_memory)
+    torch.backends.cuda.matmul.allow_tf32 = bool(dcfg.allow_tf32)
+    torch.backends.cudnn.allow_tf32 = bool(dcfg.allow_tf32)
+    torch.set_float32_matmul_precision("high" if dcfg.allow_tf32 else "highest")
+
+    report.add(name, "cudnn.deterministic", torch.backends.cudnn.deterministic,
+               bool(dcfg.cudnn_deterministic))
+    report.add(name, "cudnn.benchmark", torch.backends.cudnn.benchmark,
+               bool(dcfg.cudnn_benchmark))
+    report.add(name, "use_deterministic_algorithms", torch.are_deterministic_algorithms_enabled(),
+               bool(dcfg.deterministic_algorithms))
+    report.add(name, "deterministic warn_only",
+               torch.is_deterministic_algorithms_warn_only_enabled(), bool(dcfg.warn_only))
+    report.add(name, "fill_uninitialized_memory",
+               torch.utils.deterministic.fill_uninitialized_memory,
+               bool(dcfg.fill_uninitialized_memory))
+    report.add(name, "cuda.matmul.allow_tf32", torch.backends.cuda.matmul.allow_tf32,
+               bool(dcfg.allow_tf32))
+    report.add(name, "cudnn.allow_tf32", torch.backends.cudnn.allow_tf32, bool(dcfg.allow_tf32))
+    report.add(name, "float32_matmul_precision", torch.get_float32_matmul_precision(),
+               "high" if dcfg.allow_tf32 else "highest")
+    if device.type == "cuda":
+        report.add(name, "gpu", torch.cuda.get_device_name(device))
+        report.add(name, "cuda / cudnn", f"{torch.version.cuda} / {torch.backends.cudnn.version()}")
+        report.add(name, "cuda generators", "seeded", note="torch.manual_seed covers all devices")
+    else:
+        report.add(name, "gpu", None, note="no CUDA device: the flags are set but not exercised")
+
+
+def _layer3_data(report: DeterminismReport, cfg: DictConfig) -> None:
+    name = "3 data"
+    report.add(name, "sample order", "keyed", note="randperm keyed (seed, 'order', epoch)")
+    report.add(name, "augmentation", "keyed per sample",
+               note="generator keyed (seed, 'augment', epoch, index)")
+    report.add(name, "loader generator", "keyed", note="(seed, 'loader'): worker base seeds")
+    report.add(name, "worker_init_fn", "numpy/random from torch.initial_seed()",
+               note="for third-party transforms only")
+    report.add(name, "num_workers", int(cfg.loader.num_workers),
+               note="does not change the bits")
+
+
+def _layer4_ops(report: DeterminismReport, cfg: DictConfig, device: torch.device) -> None:
+    name = "4 ops"
+    amp = "off" if not cfg.amp.enabled else f"{cfg.amp.dtype} autocast ({device.type})"
+    report.add(name, "amp", amp,
+               note="GradScaler on" if cfg.amp.enabled and str(cfg.amp.dtype) == "float16" else "")
+    report.add(name, "forward randomness", "keyed",
+               note="generator re-seeded (seed, 'forward', step, micro_batch)")
+    k = int(cfg.trainer.batch_size) // int(cfg.trainer.micro_batch_size)
+    report.add(name, "micro-batches per step", k,
+               note="gradients summed by a fixed binary tree over k")
+    report.add(name, "optimizer implementation", f"{cfg.optim.name} / {cfg.optim.implementation}",
+               note="pinned: fused, foreach and for-loop differ in the last bits")
+
+
+def apply_determinism(cfg: DictConfig, device: torch.device) -> DeterminismReport:
+    """Apply layers 0-2, record layers 3-4, and return the report.
+
+    Raises :class:`DeterminismError` in strict mode when something requested is not in
+    effect (in warn mode it is reported, not raised)."""
+    dcfg = cfg.determinism
+    report = DeterminismReport(mode=str(dcfg.mode), device=str(device))
+    _layer0_process(report, dcfg, device)
+    _layer1_cpu(report, cfg)
+    _layer2_gpu(report, dcfg, device)
+    _layer3_data(report, cfg)
+    _layer4_ops(report, cfg, device)
+    if str(dcfg.mode) == "strict" and report.failures:
+        names = ", ".join(e.name for e in report.failures)
+        raise DeterminismError(
+            f"determinism=strict: {names} not in effect; start the run through train.py "
+            "(it pins the process environment), or use determinism=warn to go on anyway."
+        )
+    return report
