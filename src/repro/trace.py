@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import platform
+import subprocess
 import sys
 from collections.abc import Mapping
 
@@ -42,8 +43,8 @@ def environment() -> dict[str, object]:
     env: dict[str, object] = {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "torch": torch.__version__,
-        "numpy": np.__version__,
+        "torch": str(torch.__version__),
+        "numpy": str(np.__version__),
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "gpu": None,
@@ -53,4 +54,14 @@ def environment() -> dict[str, object]:
         env["gpu"] = props.name
         env["gpu_capability"] = f"{props.major}.{props.minor}"
         env["gpu_sm_count"] = props.multi_processor_count
+        env["gpu_driver"] = _nvidia_driver()
     return env
+
+
+def _nvidia_driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.splitlines()[0].strip() if out.returncode == 0 and out.stdout else None

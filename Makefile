@@ -1,0 +1,56 @@
+# `make help` lists the targets. Everything installs what it needs into .venv (idempotent).
+# Use another interpreter/environment with `make PY=python ...` (e.g. an activated conda env).
+
+SHELL := /bin/bash
+VENV ?= .venv
+PY ?= $(VENV)/bin/python
+# torch is installed only when the interpreter has none; override to pick a build/version.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+ARGS ?=
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help install train test test-cuda lint format clean distclean
+
+help: ## list the targets
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+define install_into
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+endef
+
+ifeq ($(PY),$(VENV)/bin/python)
+install: $(STAMP) ## create .venv and install the package with its dev extras (once)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(install_into)
+	touch $@
+else
+install:  # same, into $(PY)
+	$(install_into)
+endif
+
+train: install ## train the default ConvNet on the synthetic data, strict mode (ARGS="key=value ...")
+	$(PY) train.py $(ARGS)
+
+test: install ## run the test suite (CUDA tests skip without a GPU)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-cuda: install ## run only the CUDA-marked tests (on a GPU machine)
+	$(PY) -m pytest -m cuda $(PYTEST_ARGS)
+
+lint: install ## ruff: lint and check formatting
+	$(PY) -m ruff check src tests scripts train.py
+
+format: install ## ruff: fix what can be fixed
+	$(PY) -m ruff check --fix src tests scripts train.py
+
+clean: ## remove run outputs and caches (keeps .venv)
+	rm -rf outputs multirun .pytest_cache .ruff_cache
+	find . -name __pycache__ -type d -not -path "./$(VENV)/*" -prune -exec rm -rf {} +
+
+distclean: clean ## also remove .venv
+	rm -rf $(VENV) src/*.egg-info

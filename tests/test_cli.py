@@ -1,0 +1,35 @@
+"""The `repro` command."""
+
+import json
+import subprocess
+import sys
+
+from conftest import user_env
+
+
+def repro(*args):
+    return subprocess.run([sys.executable, "-m", "repro", *args], capture_output=True, text=True,
+                          env=user_env())
+
+
+def test_digest_matches_summary(train_run):
+    run = train_run("r", "trainer.max_steps=3", "trainer.eval_every=3")
+    out = repro("digest", str(run.dir))
+    assert out.returncode == 0
+    assert out.stdout.split()[0] == run.summary["weights_sha256"]
+
+
+def test_digest_errors_are_one_line(tmp_path):
+    missing = repro("digest", str(tmp_path / "nope"))
+    assert missing.returncode == 2 and "no such checkpoint" in missing.stderr
+    bad = tmp_path / "checkpoint.pt"
+    bad.write_bytes(b"not a checkpoint")
+    corrupt = repro("digest", str(bad))
+    assert corrupt.returncode == 2 and "not a readable repro checkpoint" in corrupt.stderr
+    assert "Traceback" not in missing.stderr + corrupt.stderr
+
+
+def test_env_prints_the_fingerprint():
+    out = repro("env")
+    env = json.loads(out.stdout)
+    assert {"torch", "python", "cuda", "gpu"} <= env.keys()

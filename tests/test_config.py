@@ -1,0 +1,88 @@
+"""The schema: composition, defaults, and one clear line for every bad value."""
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ValidationError
+
+import repro.config  # noqa: F401  (registers the schema)
+from repro.config import config_hash, validate
+from repro.errors import ConfigError
+
+from conftest import CONF_DIR, run_train
+
+
+def cfg(*overrides):
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+        return compose("train", overrides=list(overrides))
+
+
+def test_defaults_are_as_documented():
+    c = cfg()
+    choices = {"determinism": "strict", "loader": "single", "amp": "off", "model": "convnet",
+               "data": "synthetic", "optim": "sgd", "trainer": "default"}
+    assert str(c.determinism.mode) == "strict"
+    assert c.loader.num_workers == 0 and c.amp.enabled is False
+    assert c.model._target_ == "repro.models.ConvNet" and c.data._target_ == "repro.data.synthetic"
+    assert str(c.optim.name) == "sgd" and c.seed == 0
+    for group, option in choices.items():
+        assert (CONF_DIR / group / f"{option}.yaml").is_file()
+    validate(c)
+
+
+@pytest.mark.parametrize("group", ["determinism", "loader", "amp", "model", "data", "optim", "trainer"])
+def test_every_option_of_every_group_composes(group):
+    for option in sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")):
+        extra = ["data.path=/tmp"] if (group, option) == ("data", "image_folder") else []
+        validate(cfg(f"{group}={option}", *extra))
+
+
+def test_config_hash_tracks_values():
+    assert config_hash(cfg()) == config_hash(cfg())
+    assert config_hash(cfg()) != config_hash(cfg("seed=1"))
+
+
+@pytest.mark.parametrize("override", ["trainer.max_steps=abc", "amp.dtype=int8",
+                                      "loader.num_workers=1.5"])
+def test_type_errors_fail_at_composition(override):
+    with pytest.raises(ConfigCompositionException) as err:
+        cfg(override)
+    assert isinstance(err.value.__cause__, ValidationError)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["loader.num_workers=-1"], "loader.num_workers"),
+    (["trainer.batch_size=50"], "trainer.batch_size"),
+    (["trainer.micro_batch_size=0"], "trainer.micro_batch_size"),
+    (["trainer.max_steps=0"], "trainer.max_steps"),
+    (["seed=-1"], "seed"),
+    (["optim.lr=0"], "optim.lr"),
+    (["device=tpu"], "device"),
+    (["data=image_folder"], "data.path"),
+    (["model._target_=no.such.Model"], "model._target_"),
+    (["loader.persistent_workers=true"], "loader.persistent_workers"),
+])
+def test_range_and_relation_errors_name_the_key(overrides, key):
+    with pytest.raises(ConfigError) as err:
+        validate(cfg(*overrides))
+    message = str(err.value)
+    assert key in message and "\n" not in message
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("loader.num_workers=-1", "loader.num_workers=-1 is invalid; allowed: an integer >= 0"),
+    ("trainer.batch_size=50", "trainer.batch_size=50 is not divisible by trainer.micro_batch_size=32"),
+    ("trainer.max_steps=abc", "trainer.max_steps=abc"),
+    ("amp.dtype=int8", "expected one of [bfloat16, float16]"),
+    ("determinism=nope", "Could not find 'determinism/nope'"),
+])
+def test_cli_errors_stop_before_any_work(tmp_path, override, expected):
+    """From the command line: exit 1, the message, no traceback, no run directory."""
+    run_dir = tmp_path / "run"
+    run = run_train(run_dir, override, check=False, cwd=tmp_path)
+    assert run.proc.returncode == 1
+    assert expected in run.proc.stderr
+    assert "Traceback" not in run.proc.stderr + run.proc.stdout
+    assert not run_dir.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
+    if override == "determinism=nope":  # lists the allowed options
+        assert all(m in run.proc.stderr for m in ("strict", "fast", "warn"))

@@ -1,0 +1,59 @@
+"""On a CUDA GPU (skipped elsewhere): strict mode gives the same bits, fp32 and bf16, any loader.
+
+Run with `make test-cuda` on a GPU machine; the drift demonstration (fast mode drifts on a
+ResNet-18-size net, strict does not) is `scripts/drift_demo.py`, its output in benchmarks/.
+"""
+
+import pytest
+import torch
+
+from conftest import SHORT, cuda
+
+pytestmark = [pytest.mark.cuda, cuda]
+
+
+def test_strict_on_cuda_twice_and_with_workers_is_identical(train_run):
+    a = train_run("a", *SHORT, "device=cuda")
+    b = train_run("b", *SHORT, "device=cuda")
+    multi = train_run("multi", *SHORT, "device=cuda", "loader=multi")
+    assert a.summary["device"].startswith("cuda")
+    assert a.summary["weights_sha256"] == b.summary["weights_sha256"] == multi.summary["weights_sha256"]
+    assert a.losses == b.losses == multi.losses
+    assert a.entry("CUBLAS_WORKSPACE_CONFIG")["verified"] is True
+
+
+def test_strict_bf16_on_cuda_twice_is_identical(train_run):
+    a = train_run("a", *SHORT, "device=cuda", "amp=on")
+    b = train_run("b", *SHORT, "device=cuda", "amp=on")
+    assert a.summary["weights_sha256"] == b.summary["weights_sha256"]
+    assert a.losses == b.losses
+
+
+def test_strict_resnet18_fp32_twice_is_identical(train_run):
+    args = ["device=cuda", "model=resnet18", "trainer.max_steps=20", "trainer.eval_every=20",
+            "trainer.batch_size=256", "trainer.micro_batch_size=128"]
+    a, b = train_run("a", *args), train_run("b", *args)
+    assert a.summary["weights_sha256"] == b.summary["weights_sha256"]
+    assert a.losses == b.losses
+
+
+def test_deterministic_mode_makes_index_add_repeatable():
+    """index_add_ on CUDA: atomics in its default kernel; a deterministic kernel under
+    use_deterministic_algorithms(True). 5 repeats in deterministic mode give one result."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    src = torch.randn(1 << 20, device="cuda", generator=g)
+    index = torch.randint(0, 64, (1 << 20,), device="cuda", generator=g)
+
+    def distinct(deterministic: bool) -> int:
+        before = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(deterministic)
+        try:
+            outs = {torch.zeros(64, device="cuda").index_add_(0, index, src).cpu().numpy().tobytes()
+                    for _ in range(5)}
+        finally:
+            torch.use_deterministic_algorithms(before)
+        return len(outs)
+
+    fast = distinct(False)
+    print(f"index_add_ distinct results in 5 repeats: fast {fast}, deterministic 1 expected")
+    assert distinct(True) == 1

@@ -1,0 +1,138 @@
+"""Data: the synthetic set, keyed augmentation, the keyed sampler, the loader, image folders."""
+
+import itertools
+
+import pytest
+import torch
+
+from repro.data import (
+    DataSplits,
+    KeyedAugmentDataset,
+    KeyedBatchSampler,
+    TensorImages,
+    cifar10,
+    image_folder,
+    make_train_loader,
+    synthetic,
+)
+from repro.errors import DataError
+from repro.trace import tensors_sha256
+
+
+def small(**kw):
+    return synthetic(train_size=256, val_size=64, **kw)
+
+
+def test_synthetic_depends_on_data_seed_only():
+    a, b, c = small(seed=1), small(seed=1), small(seed=2)
+    assert tensors_sha256(a.train.images, a.train.labels) == tensors_sha256(b.train.images, b.train.labels)
+    assert tensors_sha256(a.train.images) != tensors_sha256(c.train.images)
+    assert tensors_sha256(a.train.images) != tensors_sha256(a.val.images)  # distinct splits
+    assert a.train.images.dtype == torch.uint8 and a.train.images.shape == (256, 3, 32, 32)
+    assert torch.bincount(a.train.labels).tolist() == [26] * 6 + [25] * 4  # balanced
+
+
+def test_synthetic_classes_are_separable_by_their_mean_image():
+    # Learnable: a nearest-class-mean classifier on the raw pixels already beats chance.
+    d = synthetic(train_size=2000, val_size=500, noise=0.35)
+    x = d.train.images.float().flatten(1)
+    means = torch.stack([x[d.train.labels == c].mean(0) for c in range(10)])
+    xs = d.val.images.float().flatten(1)
+    acc = (torch.cdist(xs, means).argmin(1) == d.val.labels).float().mean().item()
+    assert acc > 0.2
+
+
+def test_augmentation_is_keyed_by_epoch_and_index():
+    d = small()
+    ds = KeyedAugmentDataset(d.train, seed=0, augment=True)
+    img, label = ds[(0, 5)]
+    assert torch.equal(img, ds[(0, 5)][0])
+    assert img.shape == d.train.images[5].shape and label == d.train.labels[5]
+    others = [ds[(e, 5)][0] for e in range(1, 8)]
+    assert any(not torch.equal(img, o) for o in others)  # a new crop/flip in other epochs
+    other_seed = KeyedAugmentDataset(d.train, seed=1, augment=True)
+    assert any(not torch.equal(ds[(e, 5)][0], other_seed[(e, 5)][0]) for e in range(8))
+    plain = KeyedAugmentDataset(d.train, seed=0, augment=False)
+    assert torch.equal(plain[(3, 5)][0], d.train.images[5])
+
+
+def test_sampler_is_a_pure_function_of_the_step():
+    s = KeyedBatchSampler(dataset_size=100, batch_size=32, micro_batch_size=8, seed=0)
+    assert s.steps_per_epoch == 3
+    stream = list(itertools.islice(iter(s), 4 * 10))  # 10 steps x 4 micro-batches
+    assert all(len(mb) == 8 for mb in stream)
+    resumed = KeyedBatchSampler(100, 32, 8, seed=0, start_step=7)
+    assert list(itertools.islice(iter(resumed), 4 * 3)) == stream[4 * 7:]
+    epoch0 = [i for mb in stream[:12] for (e, i) in mb]
+    assert len(set(epoch0)) == 96 and {e for mb in stream[:12] for (e, _) in mb} == {0}
+    epoch1 = [i for mb in stream[12:24] for (_, i) in mb]
+    assert epoch1 != epoch0  # reshuffled each epoch
+
+
+def test_sampler_refuses_batches_larger_than_the_data():
+    with pytest.raises(DataError, match="trainer.batch_size"):
+        KeyedBatchSampler(10, 32, 8, seed=0)
+
+
+class _Loader:
+    num_workers, persistent_workers, prefetch_factor = 0, False, None
+
+
+def _batches(loader, n):
+    return [(x.clone(), y.clone()) for x, y in itertools.islice(iter(loader), n)]
+
+
+def test_loader_output_does_not_depend_on_worker_count():
+    d = small()
+    single = _batches(make_train_loader(d, 0, 32, 16, _Loader(), pin_memory=False), 20)
+    multi_cfg = _Loader()
+    multi_cfg.num_workers, multi_cfg.prefetch_factor = 2, 2
+    multi = _batches(make_train_loader(d, 0, 32, 16, multi_cfg, pin_memory=False), 20)
+    assert len(single) == len(multi) == 20  # crosses the epoch boundary (8 steps/epoch)
+    for (xa, ya), (xb, yb) in zip(single, multi):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def _write_images(root, classes, per_class):
+    from PIL import Image
+
+    for c, name in enumerate(classes):
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            Image.new("RGB", (20, 12), (40 * c, 10 * i, 100)).save(root / name / f"{i}.png")
+
+
+def test_image_folder_reads_class_folders(tmp_path):
+    pytest.importorskip("PIL")
+    _write_images(tmp_path, ["cat", "dog", "emu"], 5)
+    d = image_folder(str(tmp_path), image_size=16, val_fraction=0.2, seed=0)
+    assert isinstance(d, DataSplits) and d.num_classes == 3
+    assert len(d.train) + len(d.val) == 15 and len(d.val) == 3
+    assert d.train.images.shape[1:] == (3, 16, 16)
+    again = image_folder(str(tmp_path), image_size=16, val_fraction=0.2, seed=0)
+    assert torch.equal(d.val.images, again.val.images)
+
+
+def test_image_folder_errors_name_the_path(tmp_path):
+    pytest.importorskip("PIL")
+    with pytest.raises(DataError, match="data.path=.*not a directory"):
+        image_folder(str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="data.path=.*at least 2 class"):
+        image_folder(str(tmp_path / "empty"))
+
+
+def test_cifar10_without_torchvision_says_how_to_install():
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        with pytest.raises(DataError, match=r"pip install -e '\.\[cifar10\]'"):
+            cifar10()
+    else:
+        with pytest.raises(DataError, match="data.root"):
+            cifar10(root="/nonexistent/cifar", download=False)
+
+
+def test_tensor_images_checks_its_input():
+    with pytest.raises(ValueError):
+        TensorImages(torch.zeros(2, 3, 4, 4), torch.zeros(2))

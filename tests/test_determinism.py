@@ -1,0 +1,57 @@
+"""The four layers: the process environment is pinned before start, the rest read back."""
+
+import os
+import subprocess
+import sys
+
+from conftest import SHORT, user_env
+
+
+def _hash_seed_in_effect(env_value):
+    code = "from repro.determinism import hash_seed_in_effect; print(hash_seed_in_effect('0'))"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    if env_value is not None:
+        env["PYTHONHASHSEED"] = env_value
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_hash_seed_check_tells_started_with_from_set_later():
+    assert _hash_seed_in_effect("0") == "True"
+    assert _hash_seed_in_effect("17") == "False"
+    assert _hash_seed_in_effect(None) == "False"  # randomized hashing
+
+
+def test_strict_re_executes_to_pin_the_environment(train_run):
+    run = train_run("strict", *SHORT[:1], "trainer.max_steps=2", "trainer.eval_every=2")
+    assert run.entry("re-executed to pin the environment")["value"] is True
+    for name in ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG", "use_deterministic_algorithms",
+                 "cudnn.deterministic", "cudnn.benchmark", "cuda.matmul.allow_tf32",
+                 "torch intra-op threads"):
+        assert run.entry(name)["verified"] is True, name
+    assert run.entry("PYTHONHASHSEED")["value"] == "0"
+    assert run.report["not_covered"]
+
+
+def test_strict_refuses_to_run_without_the_environment(train_run):
+    run = train_run("nopin", "trainer.max_steps=2", "determinism.pin_process_env=false", check=False)
+    assert run.proc.returncode == 1
+    assert "PYTHONHASHSEED" in run.proc.stderr and "Traceback" not in run.proc.stderr
+    # with the variables exported by the user, no re-exec is needed
+    env = user_env(PYTHONHASHSEED="0", CUBLAS_WORKSPACE_CONFIG=":4096:8")
+    ok = train_run("exported", "trainer.max_steps=2", "trainer.eval_every=2", env=env)
+    assert ok.entry("re-executed to pin the environment")["value"] is False
+    assert ok.entry("PYTHONHASHSEED")["verified"] is True
+
+
+def test_tf32_override_is_removed_in_strict(train_run):
+    run = train_run("tf32", "trainer.max_steps=2", "trainer.eval_every=2",
+                    env=user_env(TORCH_ALLOW_TF32_CUBLAS_OVERRIDE="1"))
+    assert run.entry("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE")["value"] is None
+
+
+def test_warn_mode_is_strict_with_warnings(train_run):
+    run = train_run("warn", "trainer.max_steps=2", "trainer.eval_every=2", "determinism=warn")
+    assert run.report["mode"] == "warn"
+    assert run.entry("deterministic warn_only")["value"] is True
+    assert run.entry("use_deterministic_algorithms")["value"] is True
