@@ -6,10 +6,9 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
 import repro.config  # noqa: F401  (registers the schema)
+from conftest import CONF_DIR, run_train
 from repro.config import config_hash, validate
 from repro.errors import ConfigError
-
-from conftest import CONF_DIR, run_train
 
 
 def cfg(*overrides):

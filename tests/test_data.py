@@ -89,7 +89,7 @@ def test_loader_output_does_not_depend_on_worker_count():
     multi_cfg.num_workers, multi_cfg.prefetch_factor = 2, 2
     multi = _batches(make_train_loader(d, 0, 32, 16, multi_cfg, pin_memory=False), 20)
     assert len(single) == len(multi) == 20  # crosses the epoch boundary (8 steps/epoch)
-    for (xa, ya), (xb, yb) in zip(single, multi):
+    for (xa, ya), (xb, yb) in zip(single, multi, strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
 

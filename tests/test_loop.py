@@ -3,8 +3,8 @@
 import torch
 from omegaconf import OmegaConf
 
-from repro.loop import build_model, build_schedule, train_step, tree_reduce
 from repro.data import synthetic
+from repro.loop import build_model, build_schedule, train_step, tree_reduce
 from repro.models import ConvNet
 
 

@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from repro.rng import derive_seed, keyed_generator, keyed_permutation, seed_global_rngs, worker_init_fn
+from repro.rng import (
+    derive_seed,
+    keyed_generator,
+    keyed_permutation,
+    seed_global_rngs,
+    worker_init_fn,
+)
 
 
 def test_derive_seed_is_pinned():

@@ -16,12 +16,13 @@ import os
 import uuid
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, List, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from repro.errors import ConfigError
+
 
 class Choice(str, Enum):
     """An enum whose ``str()`` is its value (``str(AmpDtype.float16) == "float16"``)."""
@@ -68,7 +69,7 @@ class DeterminismConfig:
     pythonhashseed: str = "0"
     cublas_workspace_config: str = ":4096:8"
     # layer 1: CPU
-    cpu_threads: Optional[int] = 2  # null: leave PyTorch's default (and record it)
+    cpu_threads: int | None = 2  # null: leave PyTorch's default (and record it)
     # layer 2: GPU kernels
     deterministic_algorithms: bool = True
     warn_only: bool = False
@@ -83,7 +84,7 @@ class LoaderConfig:
     num_workers: int = 0
     pin_memory: bool = False
     persistent_workers: bool = False
-    prefetch_factor: Optional[int] = None
+    prefetch_factor: int | None = None
 
 
 @dataclass
@@ -99,7 +100,7 @@ class OptimConfig:
     momentum: float = 0.9
     nesterov: bool = False
     weight_decay: float = 5e-4
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     implementation: OptimImplementation = OptimImplementation.foreach
     schedule: Schedule = Schedule.cosine

@@ -140,7 +140,7 @@ def train_step(
         return a[0] + b[0], a[1]
 
     loss, grads = tree_reduce(0, len(micro_batches), leaf, add)
-    for p, g in zip(params, grads):
+    for p, g in zip(params, grads, strict=True):
         p.grad = g
     scaler.unscale_(optimizer)  # a no-op unless fp16
     grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
@@ -229,7 +229,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         if not pending:
             return
         values = torch.stack([torch.stack([loss, norm.float()]) for _, loss, norm, _ in pending]).tolist()
-        rows = [[s, (s - 1) // steps_per_epoch, v[0], v[1], lr] for (s, _, _, lr), v in zip(pending, values)]
+        rows = [[s, (s - 1) // steps_per_epoch, v[0], v[1], lr] for (s, _, _, lr), v in zip(pending, values, strict=True)]
         metrics.write(rows)
         last_loss = rows[-1][2]
         pending.clear()
