@@ -1,10 +1,11 @@
 """End to end, as a user runs it: the same bits twice, whatever the loader; seeds matter."""
 
+import os
 import subprocess
 
 import pytest
 
-from conftest import ROOT, SHORT, train_cmd, user_env
+from conftest import ROOT, SHORT, run_train, train_cmd, user_env
 
 SUMMARY_KEYS = {"weights_sha256", "steps", "final_loss", "val_accuracy", "seed", "device"}
 
@@ -12,8 +13,6 @@ SUMMARY_KEYS = {"weights_sha256", "steps", "final_loss", "val_accuracy", "seed",
 @pytest.fixture(scope="module")
 def strict_runs(tmp_path_factory):
     """Three short strict runs of seed 0: twice with loader=single, once with loader=multi."""
-    from conftest import run_train
-
     base = tmp_path_factory.mktemp("strict")
     return {
         "a": run_train(base / "a", *SHORT),
@@ -91,3 +90,40 @@ def test_make_help_lists_the_targets():
     out = subprocess.run(["make", "-s", "help"], cwd=ROOT, capture_output=True, text=True).stdout
     for target in ("help", "install", "train", "test", "lint", "clean"):
         assert f"make {target} " in out
+
+
+def test_two_sweeps_in_the_same_second_do_not_collide(tmp_path):
+    """Both sweeps get the same date/time part (forced here); the run id still keeps them apart."""
+    cmd = train_cmd("-m", "seed=0", "trainer.max_steps=2", "trainer.eval_every=2",
+                    "hydra.sweep.dir=multirun/same-second_${repro.run_id:}")
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, env=user_env(), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for p in procs:
+        assert p.wait(timeout=600) == 0, p.stderr.read()
+    sweeps = sorted((tmp_path / "multirun").iterdir())
+    assert len(sweeps) == 2 and all(s.name.startswith("same-second_") for s in sweeps)
+    assert all((s / "0_seed=0" / "summary.json").is_file() for s in sweeps)
+
+
+def test_a_model_added_by_one_module_and_one_yaml(tmp_path):
+    """The README's recipe: a module on the path and a YAML in a config group; no loop edit."""
+    (tmp_path / "mylab").mkdir()
+    (tmp_path / "mylab" / "__init__.py").write_text("")
+    (tmp_path / "mylab" / "models.py").write_text(
+        "from torch import nn\n\n\n"
+        "class TinyMLP(nn.Module):\n"
+        "    def __init__(self, num_classes, in_channels=3, hidden=256, image_size=32):\n"
+        "        super().__init__()\n"
+        "        self.net = nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size**2, hidden),\n"
+        "                                 nn.ReLU(), nn.Linear(hidden, num_classes))\n\n"
+        "    def forward(self, x):\n"
+        "        return self.net(x)\n")
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "conf" / "model" / "tiny_mlp.yaml").write_text(
+        "_target_: mylab.models.TinyMLP\nhidden: 64\n")
+    env = user_env()
+    env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    run = run_train(tmp_path / "run", f"hydra.searchpath=[file://{tmp_path / 'conf'}]",
+                    "model=tiny_mlp", "trainer.max_steps=3", "trainer.eval_every=3", env=env)
+    assert "TinyMLP" in run.proc.stdout + run.proc.stderr
+    assert run.summary["steps"] == 3

@@ -9,13 +9,17 @@ anything runs. Errors are one line naming the key and what is allowed.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import json
 import os
+import types
+import typing
 import uuid
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -231,6 +235,80 @@ def validate(cfg: DictConfig) -> None:
                 f"config error: {group}._target_={node._target_!r} cannot be imported "
                 f"({type(err).__name__}); check the dotted path and that its package is installed."
             ) from None
+
+
+def _field_type(key: str) -> Any:
+    """The schema's type annotation for a dotted key, or None when the schema does not type it
+    (``model.*``, ``data.*``, unknown keys: Hydra or :func:`validate` handles those)."""
+    cls: Any = TrainConfig
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            return None
+        if dataclasses.is_dataclass(hints[part]):
+            cls = hints[part]
+        elif i == len(parts) - 1 and hints[part] is not Any:
+            return hints[part]
+        else:
+            return None
+    return None
+
+
+def _accepts(tp: Any, value: Any) -> tuple[bool, str]:
+    """Does a value parsed by Hydra's override grammar fit the annotation? And a phrase for it."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
+        inner = next(a for a in args if a is not type(None))
+        ok, phrase = _accepts(inner, value)
+        return ok or value is None, f"null or {phrase}"
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        return str(value) in tp.__members__, "one of " + ", ".join(tp.__members__)
+    if tp is bool:
+        return isinstance(value, bool), "true or false"
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), "an integer"
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    return True, ""  # str, lists: leave to OmegaConf
+
+
+def check_overrides(args: list[str], conf_dir: Path) -> None:
+    """Check command-line overrides of config groups and schema-typed keys before Hydra
+    composes anything, so that ``trainer.max_steps=abc`` or ``determinism=nope`` is one line
+    naming the key and what is allowed. Sweeps (``seed=0,1,x``) are checked value by value.
+    What this does not recognise is left to Hydra, which reports it in its own words."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    candidates = [a for a in args if "=" in a and not a.startswith("-")]
+    extra_search_path = any(a.startswith("hydra.searchpath") for a in candidates)
+    try:
+        overrides = OverridesParser.create().parse_overrides(candidates)
+    except Exception:
+        return  # a syntax error: Hydra explains it
+    for o in overrides:
+        key = o.key_or_group
+        if o.is_delete() or key.startswith("hydra") or "@" in key:
+            continue
+        if o.is_sweep_override() and not o.is_discrete_sweep():
+            continue  # interval sweeps are for the sweeper to expand
+        values = list(o.sweep_iterator()) if o.is_sweep_override() else [o.value()]
+        group_dir = conf_dir / key
+        if "." not in key and group_dir.is_dir() and not extra_search_path:
+            options = sorted(p.stem for p in group_dir.glob("*.yaml"))
+            for v in values:
+                if str(v) not in options:
+                    raise ConfigError(
+                        f"config error: {key}={v} is not an option; allowed: {', '.join(options)}."
+                    )
+            continue
+        tp = _field_type(key)
+        if tp is None:
+            continue
+        for v in values:
+            ok, phrase = _accepts(tp, v)
+            if not ok:
+                raise ConfigError(f"config error: {key}={v!r} is invalid; allowed: {phrase}.")
 
 
 def resolved_container(cfg: DictConfig) -> dict[str, Any]:

@@ -258,8 +258,8 @@ def _layer3_data(report: DeterminismReport, cfg: DictConfig) -> None:
     report.add(name, "augmentation", "keyed per sample",
                note="generator keyed (seed, 'augment', epoch, index)")
     report.add(name, "loader generator", "keyed", note="(seed, 'loader'): worker base seeds")
-    report.add(name, "worker_init_fn", "numpy/random from torch.initial_seed()",
-               note="for third-party transforms only")
+    report.add(name, "worker_init_fn", "seeds numpy/random",
+               note="from torch.initial_seed(), for third-party transforms only")
     report.add(name, "num_workers", int(cfg.loader.num_workers),
                note="does not change the bits")
 
