@@ -8,8 +8,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from repro.config import check_overrides
-from repro.determinism import exit_with
-from repro.errors import ReproError
+from repro.errors import ReproError, exit_with
 from repro.loop import train
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"

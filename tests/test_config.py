@@ -61,7 +61,11 @@ def test_type_errors_fail_at_composition(override):
     (["device=tpu"], "device"),
     (["data=image_folder"], "data.path"),
     (["model._target_=no.such.Model"], "model._target_"),
-    (["loader.persistent_workers=true"], "loader.persistent_workers"),
+    (["+model.bogus=3"], "model.bogus is not an argument of repro.models.ConvNet"),
+    (["data.noise=abc"], "data.noise='abc' is invalid; allowed: a number"),
+    (["data=image_folder", "data.path=/no/such/folder"], "data.path='/no/such/folder' does not exist"),
+    (["determinism.pythonhashseed=abc"], "determinism.pythonhashseed"),
+    (["device=cuda:abc"], "device='cuda:abc'"),
 ])
 def test_range_and_relation_errors_name_the_key(overrides, key):
     with pytest.raises(ConfigError) as err:
@@ -90,17 +94,23 @@ def test_cli_errors_are_one_line_and_stop_before_any_work(tmp_path, override, ex
     assert not run_dir.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
 
 
-def test_a_bad_value_in_a_sweep_stops_the_whole_sweep_before_it_starts(tmp_path):
-    proc = subprocess.run(train_cmd("-m", "seed=0,1,x", "trainer.max_steps=1"), cwd=tmp_path,
+@pytest.mark.parametrize("sweep, expected", [
+    ("seed=0,1,x", "error: config error: seed='x' is invalid; allowed: an integer."),
+    # a type-correct value that fails a relation, in the *second* job: no job may run first
+    ("trainer.batch_size=64,50", "trainer.batch_size=50 is not divisible by trainer.micro_batch_size=32"),
+])
+def test_a_bad_value_in_a_sweep_stops_the_whole_sweep_before_it_starts(tmp_path, sweep, expected):
+    proc = subprocess.run(train_cmd("-m", sweep, "trainer.max_steps=1"), cwd=tmp_path,
                           env=user_env(), capture_output=True, text=True)
     assert proc.returncode == 1
-    assert proc.stderr.strip() == "error: config error: seed='x' is invalid; allowed: an integer."
+    assert expected in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
 
 
 def test_check_overrides_leaves_what_it_does_not_know_to_hydra():
     check_overrides(["+model.extra=1", "model.width=abc", "seed=range(0,3)", "~data.noise",
-                     "hydra.run.dir=x", "--multirun", "model=custom", "hydra.searchpath=[file://x]"],
-                    CONF_DIR)
+                     "hydra.run.dir=x", "--multirun", "model=custom", "hydra.searchpath=[file://x]",
+                     "optim=glob(*)"], CONF_DIR)
+    check_overrides(["--config-dir=extra", "model=small"], CONF_DIR)
     with pytest.raises(ConfigError, match="model=custom is not an option; allowed: convnet, resnet18"):
         check_overrides(["model=custom"], CONF_DIR)

@@ -1,14 +1,19 @@
 """The four layers: the process environment is pinned before start, the rest read back."""
 
+import json
 import os
 import subprocess
 import sys
 
-from conftest import SHORT, user_env
+import torch
+
+from conftest import ROOT, SHORT, user_env
 
 
-def _hash_seed_in_effect(env_value):
+def _hash_seed_in_effect(env_value, set_later=False):
     code = "from repro.determinism import hash_seed_in_effect; print(hash_seed_in_effect('0'))"
+    if set_later:  # what the seed tutorials do: assign it inside the running process
+        code = "import os; os.environ['PYTHONHASHSEED'] = '0'; " + code
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
     if env_value is not None:
         env["PYTHONHASHSEED"] = env_value
@@ -20,6 +25,7 @@ def test_hash_seed_check_tells_started_with_from_set_later():
     assert _hash_seed_in_effect("0") == "True"
     assert _hash_seed_in_effect("17") == "False"
     assert _hash_seed_in_effect(None) == "False"  # randomized hashing
+    assert _hash_seed_in_effect(None, set_later=True) == "False"  # too late to matter
 
 
 def test_strict_re_executes_to_pin_the_environment(train_run):
@@ -48,6 +54,23 @@ def test_tf32_override_is_removed_in_strict(train_run):
     run = train_run("tf32", "trainer.max_steps=2", "trainer.eval_every=2",
                     env=user_env(TORCH_ALLOW_TF32_CUBLAS_OVERRIDE="1"))
     assert run.entry("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE")["value"] is None
+
+
+def test_a_job_of_a_sweep_does_not_inherit_the_previous_jobs_threads(tmp_path):
+    """Jobs of a sweep share one process: job 1 (threads left to PyTorch) must not keep
+    job 0's fixed thread count."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "-m", "determinism.cpu_threads=1,null",
+         "determinism=fast", "trainer.max_steps=1", "trainer.eval_every=1"],
+        cwd=tmp_path, env=user_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    threads = {}
+    for path in tmp_path.glob("multirun/**/determinism.json"):
+        entries = json.loads(path.read_text())["entries"]
+        threads[path.parent.name] = next(e for e in entries if e["name"] == "torch intra-op threads")
+    assert threads["0_seed=0"]["value"] == 1
+    assert threads["1_seed=0"]["value"] == threads["1_seed=0"]["requested"] == torch.get_num_threads()
+    assert torch.get_num_threads() != 1 or os.cpu_count() == 1  # else this test proves nothing
 
 
 def test_warn_mode_is_strict_with_warnings(train_run):

@@ -29,9 +29,10 @@ def test_tree_shape_is_fixed_and_halves_at_the_midpoint():
     assert shape(8) == "(((0+1)+(2+3))+((4+5)+(6+7)))"
 
 
-def _step(model, k, step=0, seed=0):
-    torch.manual_seed(0)
-    x = torch.randn(8, 3, 16, 16)
+def _step(model, k, step=0, seed=0, same_inputs=False):
+    x = torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    if same_inputs:
+        x = x[:1].expand(8, -1, -1, -1).contiguous()
     y = torch.arange(8) % 10
     mb = [(x[i : i + 8 // k], y[i : i + 8 // k]) for i in range(0, 8, 8 // k)]
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -57,12 +58,24 @@ def test_micro_batch_gradients_sum_to_the_full_batch_gradient():
     assert all(torch.allclose(g1[k], g4[k], atol=1e-6) for k in g1)
 
 
-def test_dropout_masks_are_keyed_by_step_and_micro_batch():
+def test_dropout_masks_are_keyed_by_step_and_micro_batch_not_the_global_rng():
     model = ConvNet(10, width=8, dropout=0.5)
-    a, b = _step(model, 2, step=3), _step(model, 2, step=3)
+    torch.manual_seed(1)
+    a = _step(model, 2, step=3)
+    torch.manual_seed(2)  # the global RNG's state must not matter
+    b = _step(model, 2, step=3)
     c = _step(model, 2, step=4)
     assert torch.equal(a[0], b[0]) and all(torch.equal(a[2][k], b[2][k]) for k in a[2])
     assert not torch.equal(a[0], c[0])
+
+
+def test_each_micro_batch_draws_its_own_dropout_masks():
+    """Identical inputs in micro-batches 0 and 1: equal losses would mean equal masks."""
+    model = ConvNet(10, width=8, dropout=0.5)
+    seen = []
+    model.head.register_forward_hook(lambda m, i, out: seen.append(out.detach().clone()))
+    _step(model, 2, same_inputs=True)
+    assert len(seen) == 2 and not torch.equal(seen[0], seen[1])
 
 
 def test_model_init_is_keyed_by_seed_and_ignores_the_global_rng():

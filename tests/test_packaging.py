@@ -1,8 +1,8 @@
 """Packaging: environment.yml and pyproject.toml agree; CI calls the README's test command."""
 
 import re
-
 import tomllib
+
 import yaml
 
 from conftest import ROOT

@@ -1,11 +1,14 @@
 """End to end, as a user runs it: the same bits twice, whatever the loader; seeds matter."""
 
 import os
+import re
 import subprocess
 
 import pytest
+import yaml
 
 from conftest import ROOT, SHORT, run_train, train_cmd, user_env
+from repro.rng import derive_seed
 
 SUMMARY_KEYS = {"weights_sha256", "steps", "final_loss", "val_accuracy", "seed", "device"}
 
@@ -43,8 +46,9 @@ def test_seeds_change_the_bits_and_zero_is_a_seed(strict_runs, train_run):
     assert a.summary["seed"] == 0 and one.summary["seed"] == 1
     assert one.summary["weights_sha256"] != a.summary["weights_sha256"]
     assert one.losses != a.losses
-    # seed 0 was really applied: the global RNGs were seeded from it
-    assert a.entry("seed torch")["value"] != one.entry("seed torch")["value"]
+    # seed 0 was really applied (not skipped as falsy): the global RNGs got its derived seeds
+    assert a.entry("seed torch")["value"] == derive_seed(0, "global", 2)
+    assert one.entry("seed torch")["value"] == derive_seed(1, "global", 2)
 
 
 def test_run_directory_holds_config_report_metrics_checkpoint_summary(strict_runs):
@@ -66,6 +70,10 @@ def test_fast_and_amp_run_and_report_what_they_set(train_run):
     assert amp.summary["amp"] == "bfloat16"
     assert amp.entry("amp")["value"].startswith("bfloat16 autocast")
     assert "determinism report" in amp.proc.stdout + amp.proc.stderr  # printed at start
+
+    fp16 = train_run("fp16", *SHORT, "amp=on", "amp.dtype=float16")
+    assert fp16.summary["amp"] == "float16" and fp16.entry("amp")["note"] == "GradScaler on"
+    assert fp16.summary["weights_sha256"] != amp.summary["weights_sha256"]
 
 
 def test_multirun_makes_one_directory_per_seed_named_by_seed(tmp_path):
@@ -93,16 +101,19 @@ def test_make_help_lists_the_targets():
 
 
 def test_two_sweeps_in_the_same_second_do_not_collide(tmp_path):
-    """Both sweeps get the same date/time part (forced here); the run id still keeps them apart."""
+    """The configured sweep dir with its date and time frozen (as if both started in the same
+    second): what is left of the pattern must still keep the two sweeps apart."""
+    pattern = yaml.safe_load((ROOT / "conf" / "train.yaml").read_text())["hydra"]["sweep"]["dir"]
+    frozen = re.sub(r"\$\{now:[^}]*\}", "same-second", pattern)
+    assert frozen != pattern
     cmd = train_cmd("-m", "seed=0", "trainer.max_steps=2", "trainer.eval_every=2",
-                    "hydra.sweep.dir=multirun/same-second_${repro.run_id:}")
+                    f"hydra.sweep.dir={frozen}")
     procs = [subprocess.Popen(cmd, cwd=tmp_path, env=user_env(), stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     for p in procs:
         assert p.wait(timeout=600) == 0, p.stderr.read()
-    sweeps = sorted((tmp_path / "multirun").iterdir())
-    assert len(sweeps) == 2 and all(s.name.startswith("same-second_") for s in sweeps)
-    assert all((s / "0_seed=0" / "summary.json").is_file() for s in sweeps)
+    jobs = sorted(tmp_path.glob("multirun/**/0_seed=0/summary.json"))
+    assert len(jobs) == 2 and jobs[0].parent != jobs[1].parent
 
 
 def test_a_model_added_by_one_module_and_one_yaml(tmp_path):

@@ -12,46 +12,42 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib
+import inspect
 import json
 import os
+import re
 import types
 import typing
 import uuid
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any
 
+import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from repro.errors import ConfigError
 
 
-class Choice(str, Enum):
-    """An enum whose ``str()`` is its value (``str(AmpDtype.float16) == "float16"``)."""
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-
-class DeterminismMode(Choice):
+class DeterminismMode(StrEnum):
     strict = "strict"
     fast = "fast"
     warn = "warn"
 
 
-class AmpDtype(Choice):
+class AmpDtype(StrEnum):
     bfloat16 = "bfloat16"
     float16 = "float16"
 
 
-class OptimName(Choice):
+class OptimName(StrEnum):
     sgd = "sgd"
     adamw = "adamw"
 
 
-class OptimImplementation(Choice):
+class OptimImplementation(StrEnum):
     """Fused, foreach and for-loop optimizers are each deterministic but not bit-equal to
     each other, so the choice is pinned in the config rather than left to PyTorch."""
 
@@ -60,7 +56,7 @@ class OptimImplementation(Choice):
     for_loop = "for_loop"
 
 
-class Schedule(Choice):
+class Schedule(StrEnum):
     constant = "constant"
     cosine = "cosine"
 
@@ -102,13 +98,13 @@ class OptimConfig:
     name: OptimName = OptimName.sgd
     lr: float = 0.05
     momentum: float = 0.9
-    nesterov: bool = False
+    nesterov: bool = True
     weight_decay: float = 5e-4
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     implementation: OptimImplementation = OptimImplementation.foreach
     schedule: Schedule = Schedule.cosine
-    warmup_steps: int = 0
+    warmup_steps: int = 20
 
 
 @dataclass
@@ -185,8 +181,13 @@ def validate(cfg: DictConfig) -> None:
     t, ld, d = cfg.trainer, cfg.loader, cfg.determinism
     if cfg.seed < 0 or cfg.seed >= 2**63:
         _fail("seed", cfg.seed, "an integer in [0, 2**63)")
-    if cfg.device not in ("auto", "cpu", "cuda") and not str(cfg.device).startswith("cuda:"):
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(cfg.device)):
         _fail("device", cfg.device, "auto, cpu, cuda or cuda:N")
+    if str(cfg.device).startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(
+            f"config error: device={cfg.device} but no CUDA device is available; "
+            "use device=auto or device=cpu."
+        )
     for key in ("max_steps", "batch_size", "micro_batch_size", "eval_every", "eval_batch_size",
                 "log_every"):
         if t[key] < 1:
@@ -201,13 +202,12 @@ def validate(cfg: DictConfig) -> None:
         _fail("loader.num_workers", ld.num_workers, "an integer >= 0 (0 loads in the main process)")
     if ld.prefetch_factor is not None and ld.prefetch_factor < 1:
         _fail("loader.prefetch_factor", ld.prefetch_factor, "null or an integer >= 1")
-    if ld.num_workers == 0 and (ld.persistent_workers or ld.prefetch_factor is not None):
-        raise ConfigError(
-            "config error: loader.persistent_workers/loader.prefetch_factor need "
-            "loader.num_workers >= 1; set loader.num_workers or drop them."
-        )
     if d.cpu_threads is not None and d.cpu_threads < 1:
         _fail("determinism.cpu_threads", d.cpu_threads, "null or an integer >= 1")
+    if not re.fullmatch(r"random|\d+", d.pythonhashseed) or (
+        d.pythonhashseed != "random" and int(d.pythonhashseed) > 4294967295
+    ):
+        _fail("determinism.pythonhashseed", d.pythonhashseed, "'random' or an integer in [0, 4294967295]")
     if d.cublas_workspace_config not in (":4096:8", ":16:8"):
         _fail("determinism.cublas_workspace_config", d.cublas_workspace_config, "':4096:8' or ':16:8'")
     o = cfg.optim
@@ -229,12 +229,43 @@ def validate(cfg: DictConfig) -> None:
                 f"{group}._target_=package.module.Factory."
             )
         try:
-            locate(node._target_)
+            target = locate(node._target_)
         except Exception as err:
             raise ConfigError(
                 f"config error: {group}._target_={node._target_!r} cannot be imported "
                 f"({type(err).__name__}); check the dotted path and that its package is installed."
             ) from None
+        _check_arguments(group, node, target)
+    if "path" in cfg.data and not Path(str(cfg.data.path)).expanduser().exists():
+        raise ConfigError(f"config error: data.path={cfg.data.path!r} does not exist; point it at your data.")
+
+
+# filled in by the loop from the dataset, never from the config
+_INJECTED = {"model": {"num_classes", "in_channels"}, "data": set()}
+
+
+def _check_arguments(group: str, node: DictConfig, target: Any) -> None:
+    """The keys of a ``_target_`` node against the callable's signature: unknown names, and
+    values that do not fit an int/float/bool/str annotation, are named before anything runs."""
+    try:
+        signature = inspect.signature(target)
+        hints = typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
+    except (TypeError, ValueError, NameError):
+        return  # not introspectable: leave it to the call
+    params = signature.parameters
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    for key, value in node.items():
+        if key.startswith("_"):
+            continue
+        if key not in params and not takes_kwargs:
+            allowed = ", ".join(k for k in params if k not in _INJECTED[group]) or "none"
+            raise ConfigError(
+                f"config error: {group}.{key} is not an argument of {node._target_}; allowed: {allowed}."
+            )
+        if key in hints and hints[key] in (int, float, bool, str):
+            ok, phrase = _accepts(hints[key], value)
+            if not ok:
+                _fail(f"{group}.{key}", value, phrase)
 
 
 def _field_type(key: str) -> Any:
@@ -270,7 +301,9 @@ def _accepts(tp: Any, value: Any) -> tuple[bool, str]:
         return isinstance(value, int) and not isinstance(value, bool), "an integer"
     if tp is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
-    return True, ""  # str, lists: leave to OmegaConf
+    if tp is str:  # OmegaConf turns numbers and booleans into their text
+        return isinstance(value, (str, int, float, bool)), "a string"
+    return True, ""  # lists and the rest: left to OmegaConf
 
 
 def check_overrides(args: list[str], conf_dir: Path) -> None:
@@ -281,7 +314,11 @@ def check_overrides(args: list[str], conf_dir: Path) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     candidates = [a for a in args if "=" in a and not a.startswith("-")]
-    extra_search_path = any(a.startswith("hydra.searchpath") for a in candidates)
+    # other config directories can add group options this check does not see
+    extra_search_path = any(a.startswith("hydra.searchpath") for a in candidates) or any(
+        a.split("=")[0] in ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")
+        for a in args
+    )
     try:
         overrides = OverridesParser.create().parse_overrides(candidates)
     except Exception:
@@ -292,7 +329,10 @@ def check_overrides(args: list[str], conf_dir: Path) -> None:
             continue
         if o.is_sweep_override() and not o.is_discrete_sweep():
             continue  # interval sweeps are for the sweeper to expand
-        values = list(o.sweep_iterator()) if o.is_sweep_override() else [o.value()]
+        try:
+            values = list(o.sweep_iterator()) if o.is_sweep_override() else [o.value()]
+        except Exception:
+            continue  # glob() and friends need Hydra's config loader: checked per job later
         group_dir = conf_dir / key
         if "." not in key and group_dir.is_dir() and not extra_search_path:
             options = sorted(p.stem for p in group_dir.glob("*.yaml"))

@@ -22,19 +22,22 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from repro.config import validate
-from repro.errors import DeterminismError, ReproError
+from repro.errors import ConfigError, DeterminismError, ReproError, exit_with
 from repro.rng import seed_global_rngs
 
 REEXEC_MARKER = "REPRO_REEXECUTED"
 TF32_OVERRIDE = "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"
 _HASH_PROBE = "repro determinism probe"
+# PyTorch's own choice for this machine, read before any job of this process changes it: in a
+# sweep, jobs share the process, and a fast job must not inherit a strict job's setting.
+_DEFAULT_THREADS = torch.get_num_threads()
 
 NOT_COVERED = [
     "bits across GPU models (cuBLAS/cuDNN pick kernels by architecture and SM count), "
@@ -87,31 +90,45 @@ def pin_process_environment(dcfg: DictConfig) -> None:
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
-def exit_with(error: ReproError) -> NoReturn:
-    """Print a user error as its one line and exit 1.
+def validate_sweep_jobs(config: DictConfig) -> None:
+    """Compose and validate every job of a sweep the way Hydra's basic sweeper will, so that a
+    bad value in any job stops the sweep before its directory exists or a job has run."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    ``SystemExit`` rather than the exception itself: Hydra turns exceptions raised in a
-    callback into warnings and goes on, but lets ``SystemExit`` through."""
-    print(f"error: {error}", file=sys.stderr)
-    raise SystemExit(1)
+    if not str(config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper"):
+        return  # other sweepers choose their jobs as they go
+    loader = GlobalHydra.instance().config_loader()
+    parser = OverridesParser.create(config_loader=loader)
+    overrides = parser.parse_overrides(list(config.hydra.overrides.task))
+    for batch in BasicSweeper.split_arguments(overrides, None):
+        for job in batch:
+            try:
+                validate(loader.load_sweep_config(config, list(job)))
+            except ConfigError as err:
+                raise ConfigError(f"{err} (in the sweep job {' '.join(job)})") from None
 
 
 class PrepareRunCallback(Callback):
-    """Hydra callback: validate the config and pin the process environment before Hydra
-    creates any run or sweep directory (so a bad value leaves nothing behind)."""
+    """Hydra callback: validate the config (every job's, for a sweep) and pin the process
+    environment before Hydra creates any run or sweep directory, so that a bad value leaves
+    nothing behind."""
 
-    def _prepare(self, config: DictConfig) -> None:
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
             validate(config)
             pin_process_environment(config.determinism)
         except ReproError as err:
             exit_with(err)
 
-    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self._prepare(config)
-
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self._prepare(config)
+        try:
+            validate(config)
+            validate_sweep_jobs(config)
+            pin_process_environment(config.determinism)
+        except ReproError as err:
+            exit_with(err)
 
 
 @dataclass
@@ -211,8 +228,9 @@ def _layer1_cpu(report: DeterminismReport, cfg: DictConfig) -> None:
         torch.set_num_threads(int(threads))
         report.add(name, "torch intra-op threads", torch.get_num_threads(), int(threads))
     else:
-        report.add(name, "torch intra-op threads", torch.get_num_threads(),
-                   note="PyTorch's default (differs between machines)")
+        torch.set_num_threads(_DEFAULT_THREADS)
+        report.add(name, "torch intra-op threads", torch.get_num_threads(), _DEFAULT_THREADS,
+                   note="PyTorch's default for this machine (differs between machines)")
     report.add(name, "torch inter-op threads", torch.get_num_interop_threads())
     report.add(name, "cpu count", os.cpu_count())
 

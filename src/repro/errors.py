@@ -1,10 +1,14 @@
 """Errors a user can cause. Each message is one sentence naming the key or file and what to do.
 
-They derive from Hydra's ``CompactHydraException`` so that, raised under ``train.py``, Hydra
-prints the message alone (no traceback) and exits 1; ``repro`` subcommands do the same.
+Entry points print them as that one line and exit 1 (:func:`exit_with`), never a traceback.
+They derive from Hydra's ``CompactHydraException`` so that one that escapes under Hydra is
+still printed without a traceback.
 """
 
 from __future__ import annotations
+
+import sys
+from typing import NoReturn
 
 from hydra.errors import CompactHydraException
 
@@ -23,3 +27,12 @@ class DeterminismError(ReproError):
 
 class DataError(ReproError):
     """A dataset that cannot be read or built."""
+
+
+def exit_with(error: ReproError) -> NoReturn:
+    """Print a user error as its one line on stderr and exit 1.
+
+    ``SystemExit`` rather than the exception itself: Hydra turns exceptions raised in a
+    callback into warnings and goes on, but lets ``SystemExit`` through."""
+    print(f"error: {error}", file=sys.stderr)
+    raise SystemExit(1)

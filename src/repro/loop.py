@@ -41,7 +41,8 @@ T = TypeVar("T")
 def tree_reduce(lo: int, hi: int, leaf: Callable[[int], T], add: Callable[[T, T], T]) -> T:
     """Sum ``leaf(lo) + ... + leaf(hi - 1)`` as a fixed binary tree (split at the midpoint).
 
-    Leaves are evaluated in order, left to right; at most log2(K) partial sums are alive.
+    Leaves are evaluated in order, left to right; at most ceil(log2 K) + 1 partial sums (one
+    gradient copy each) are alive at once.
     Any contiguous power-of-two share of the leaves is a whole subtree, so processes that
     each own such a share can compute their subtree and combine in the same shape."""
     if hi - lo == 1:
@@ -77,8 +78,8 @@ def _instantiate(node: DictConfig, group: str, **kwargs: Any) -> Any:
 def build_model(cfg: DictConfig, splits: DataSplits, device: torch.device) -> nn.Module:
     """Instantiate ``cfg.model`` on the CPU with the generator keyed by ``(seed, "init")``, so
     the initial weights are the same on every device, then move it."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(derive_seed(int(cfg.seed), "init"))
+    with torch.random.fork_rng(devices=[]):  # CPU generator only; restored afterwards
+        torch.default_generator.manual_seed(derive_seed(int(cfg.seed), "init"))
         model = _instantiate(cfg.model, "model", num_classes=splits.num_classes,
                              in_channels=splits.in_channels)
     return model.to(device)
@@ -264,6 +265,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     state = model.state_dict()
     weights = state_dict_sha256(state)
+    env = environment()
     save_checkpoint(run_dir / str(t.checkpoint_name), {
         "model": state,
         "optimizer": optimizer.state_dict(),
@@ -273,7 +275,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "config": resolved_container(cfg),
         "config_hash": config_hash(cfg),
         "weights_sha256": weights,
-        "environment": environment(),
+        "environment": env,
     })
     summary = {
         "weights_sha256": weights,
@@ -290,7 +292,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "run_dir": str(run_dir),
         "images_per_second": int(t.max_steps) * int(t.batch_size) / loop_seconds,
         "wall_seconds": time.perf_counter() - t_start,
-        "environment": environment(),
+        "environment": env,
     }
     atomic_write(run_dir / "summary.json",
                  lambda f: f.write((json.dumps(summary, indent=2) + "\n").encode()))
