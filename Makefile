@@ -44,9 +44,11 @@ test-cuda: install ## run only the CUDA-marked tests (on a GPU machine)
 
 lint: install ## ruff: lint and check formatting
 	$(PY) -m ruff check src tests scripts train.py
+	$(PY) -m ruff format --check src tests scripts train.py
 
-format: install ## ruff: fix what can be fixed
+format: install ## ruff: fix what can be fixed and format
 	$(PY) -m ruff check --fix src tests scripts train.py
+	$(PY) -m ruff format src tests scripts train.py
 
 clean: ## remove run outputs and caches (keeps .venv)
 	rm -rf outputs multirun .pytest_cache .ruff_cache

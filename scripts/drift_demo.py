@@ -29,11 +29,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def train(run_dir: Path, mode: str, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run_dir}",
-           f"determinism={mode}", f"model={args.model}", f"seed={args.seed}",
-           f"trainer.max_steps={args.steps}", f"trainer.eval_every={args.steps}",
-           f"trainer.batch_size={args.batch}", f"trainer.micro_batch_size={args.micro}",
-           f"device={args.device}", *args.overrides]
+    cmd = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        f"hydra.run.dir={run_dir}",
+        f"determinism={mode}",
+        f"model={args.model}",
+        f"seed={args.seed}",
+        f"trainer.max_steps={args.steps}",
+        f"trainer.eval_every={args.steps}",
+        f"trainer.batch_size={args.batch}",
+        f"trainer.micro_batch_size={args.micro}",
+        f"device={args.device}",
+        *args.overrides,
+    ]
     env = {**os.environ, "CI": "true"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if proc.returncode != 0:
@@ -42,7 +51,9 @@ def train(run_dir: Path, mode: str, args: argparse.Namespace) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--model", default="resnet18")
@@ -60,25 +71,38 @@ def main() -> int:
             for mode in results:  # interleaved, so both modes see the same machine state
                 s = train(Path(tmp) / f"{mode}{i}", mode, args)
                 results[mode].append(s)
-                print(f"{mode:6} run {i + 1}/{args.runs}: weights {s['weights_sha256'][:16]}  "
-                      f"final loss {s['final_loss']!r}  {s['images_per_second']:.0f} img/s", flush=True)
+                print(
+                    f"{mode:6} run {i + 1}/{args.runs}: weights {s['weights_sha256'][:16]}  "
+                    f"final loss {s['final_loss']!r}  {s['images_per_second']:.0f} img/s",
+                    flush=True,
+                )
 
     env = results["strict"][0]["environment"]
     rows = []
     for mode, runs in results.items():
-        rows.append({
-            "mode": mode,
-            "runs": len(runs),
-            "distinct_weights": len({r["weights_sha256"] for r in runs}),
-            "distinct_final_loss": len({r["final_loss"] for r in runs}),
-            "weights": [r["weights_sha256"] for r in runs],
-            "final_loss": [r["final_loss"] for r in runs],
-            "images_per_second_median": statistics.median(r["images_per_second"] for r in runs),
-        })
+        rows.append(
+            {
+                "mode": mode,
+                "runs": len(runs),
+                "distinct_weights": len({r["weights_sha256"] for r in runs}),
+                "distinct_final_loss": len({r["final_loss"] for r in runs}),
+                "weights": [r["weights_sha256"] for r in runs],
+                "final_loss": [r["final_loss"] for r in runs],
+                "images_per_second_median": statistics.median(r["images_per_second"] for r in runs),
+            }
+        )
     command = "python scripts/drift_demo.py " + shlex.join(sys.argv[1:])
     today = dt.date.today().isoformat()
-    record = {"date": today, "command": command, "environment": env, "model": args.model,
-              "steps": args.steps, "batch": args.batch, "micro_batch": args.micro, "results": rows}
+    record = {
+        "date": today,
+        "command": command,
+        "environment": env,
+        "model": args.model,
+        "steps": args.steps,
+        "batch": args.batch,
+        "micro_batch": args.micro,
+        "results": rows,
+    }
 
     lines = [
         f"# Drift demonstration, {today}",
@@ -94,10 +118,15 @@ def main() -> int:
         "|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['mode']} | {r['runs']} | {r['distinct_weights']} | "
-                     f"{r['distinct_final_loss']} | {r['images_per_second_median']:.0f} |")
-    lines += ["", "Final losses: " + "; ".join(
-        f"{r['mode']}: {', '.join(repr(v) for v in r['final_loss'])}" for r in rows)]
+        lines.append(
+            f"| {r['mode']} | {r['runs']} | {r['distinct_weights']} | "
+            f"{r['distinct_final_loss']} | {r['images_per_second_median']:.0f} |"
+        )
+    lines += [
+        "",
+        "Final losses: "
+        + "; ".join(f"{r['mode']}: {', '.join(repr(v) for v in r['final_loss'])}" for r in rows),
+    ]
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -43,8 +43,11 @@ class Run:
 def user_env(**extra: str) -> dict[str, str]:
     """The environment of a user's shell: no PYTHONHASHSEED/CUBLAS preset (train.py must
     pin them itself), CI=true so no progress bar."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG", "REPRO_REEXECUTED")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG", "REPRO_REEXECUTED")
+    }
     env.update(CI="true", PYTHONUNBUFFERED="1", **extra)
     return env
 
@@ -53,10 +56,21 @@ def train_cmd(*overrides: str) -> list[str]:
     return [sys.executable, str(ROOT / "train.py"), *overrides]
 
 
-def run_train(run_dir: Path, *overrides: str, check: bool = True, cwd: Path | None = None,
-              env: dict[str, str] | None = None) -> Run:
-    proc = subprocess.run(train_cmd(f"hydra.run.dir={run_dir}", *overrides), cwd=cwd or run_dir.parent,
-                          env=env or user_env(), capture_output=True, text=True, timeout=600)
+def run_train(
+    run_dir: Path,
+    *overrides: str,
+    check: bool = True,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> Run:
+    proc = subprocess.run(
+        train_cmd(f"hydra.run.dir={run_dir}", *overrides),
+        cwd=cwd or run_dir.parent,
+        env=env or user_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     summary = json.loads((run_dir / "summary.json").read_text()) if proc.returncode == 0 else {}

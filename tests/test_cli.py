@@ -8,8 +8,9 @@ from conftest import user_env
 
 
 def repro(*args):
-    return subprocess.run([sys.executable, "-m", "repro", *args], capture_output=True, text=True,
-                          env=user_env())
+    return subprocess.run(
+        [sys.executable, "-m", "repro", *args], capture_output=True, text=True, env=user_env()
+    )
 
 
 def test_digest_matches_summary(train_run):

@@ -20,8 +20,15 @@ def cfg(*overrides):
 
 def test_defaults_are_as_documented():
     c = cfg()
-    choices = {"determinism": "strict", "loader": "single", "amp": "off", "model": "convnet",
-               "data": "synthetic", "optim": "sgd", "trainer": "default"}
+    choices = {
+        "determinism": "strict",
+        "loader": "single",
+        "amp": "off",
+        "model": "convnet",
+        "data": "synthetic",
+        "optim": "sgd",
+        "trainer": "default",
+    }
     assert str(c.determinism.mode) == "strict"
     assert c.loader.num_workers == 0 and c.amp.enabled is False
     assert c.model._target_ == "repro.models.ConvNet" and c.data._target_ == "repro.data.synthetic"
@@ -31,7 +38,9 @@ def test_defaults_are_as_documented():
     validate(c)
 
 
-@pytest.mark.parametrize("group", ["determinism", "loader", "amp", "model", "data", "optim", "trainer"])
+@pytest.mark.parametrize(
+    "group", ["determinism", "loader", "amp", "model", "data", "optim", "trainer"]
+)
 def test_every_option_of_every_group_composes(group):
     for option in sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")):
         extra = ["data.path=/tmp"] if (group, option) == ("data", "image_folder") else []
@@ -43,30 +52,37 @@ def test_config_hash_tracks_values():
     assert config_hash(cfg()) != config_hash(cfg("seed=1"))
 
 
-@pytest.mark.parametrize("override", ["trainer.max_steps=abc", "amp.dtype=int8",
-                                      "loader.num_workers=1.5"])
+@pytest.mark.parametrize(
+    "override", ["trainer.max_steps=abc", "amp.dtype=int8", "loader.num_workers=1.5"]
+)
 def test_type_errors_fail_at_composition(override):
     with pytest.raises(ConfigCompositionException) as err:
         cfg(override)
     assert isinstance(err.value.__cause__, ValidationError)
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["loader.num_workers=-1"], "loader.num_workers"),
-    (["trainer.batch_size=50"], "trainer.batch_size"),
-    (["trainer.micro_batch_size=0"], "trainer.micro_batch_size"),
-    (["trainer.max_steps=0"], "trainer.max_steps"),
-    (["seed=-1"], "seed"),
-    (["optim.lr=0"], "optim.lr"),
-    (["device=tpu"], "device"),
-    (["data=image_folder"], "data.path"),
-    (["model._target_=no.such.Model"], "model._target_"),
-    (["+model.bogus=3"], "model.bogus is not an argument of repro.models.ConvNet"),
-    (["data.noise=abc"], "data.noise='abc' is invalid; allowed: a number"),
-    (["data=image_folder", "data.path=/no/such/folder"], "data.path='/no/such/folder' does not exist"),
-    (["determinism.pythonhashseed=abc"], "determinism.pythonhashseed"),
-    (["device=cuda:abc"], "device='cuda:abc'"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["loader.num_workers=-1"], "loader.num_workers"),
+        (["trainer.batch_size=50"], "trainer.batch_size"),
+        (["trainer.micro_batch_size=0"], "trainer.micro_batch_size"),
+        (["trainer.max_steps=0"], "trainer.max_steps"),
+        (["seed=-1"], "seed"),
+        (["optim.lr=0"], "optim.lr"),
+        (["device=tpu"], "device"),
+        (["data=image_folder"], "data.path"),
+        (["model._target_=no.such.Model"], "model._target_"),
+        (["+model.bogus=3"], "model.bogus is not an argument of repro.models.ConvNet"),
+        (["data.noise=abc"], "data.noise='abc' is invalid; allowed: a number"),
+        (
+            ["data=image_folder", "data.path=/no/such/folder"],
+            "data.path='/no/such/folder' does not exist",
+        ),
+        (["determinism.pythonhashseed=abc"], "determinism.pythonhashseed"),
+        (["device=cuda:abc"], "device='cuda:abc'"),
+    ],
+)
 def test_range_and_relation_errors_name_the_key(overrides, key):
     with pytest.raises(ConfigError) as err:
         validate(cfg(*overrides))
@@ -74,43 +90,77 @@ def test_range_and_relation_errors_name_the_key(overrides, key):
     assert key in message and "\n" not in message
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("loader.num_workers=-1", "loader.num_workers=-1 is invalid; allowed: an integer >= 0"),
-    ("trainer.batch_size=50", "trainer.batch_size=50 is not divisible by trainer.micro_batch_size=32"),
-    ("trainer.max_steps=abc", "trainer.max_steps='abc' is invalid; allowed: an integer."),
-    ("amp.dtype=int8", "amp.dtype='int8' is invalid; allowed: one of bfloat16, float16."),
-    ("determinism=nope", "determinism=nope is not an option; allowed: fast, strict, warn."),
-    ("amp.enabled=3", "amp.enabled=3 is invalid; allowed: true or false."),
-    ("determinism.cpu_threads=x", "determinism.cpu_threads='x' is invalid; allowed: null or an integer."),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("loader.num_workers=-1", "loader.num_workers=-1 is invalid; allowed: an integer >= 0"),
+        (
+            "trainer.batch_size=50",
+            "trainer.batch_size=50 is not divisible by trainer.micro_batch_size=32",
+        ),
+        ("trainer.max_steps=abc", "trainer.max_steps='abc' is invalid; allowed: an integer."),
+        ("amp.dtype=int8", "amp.dtype='int8' is invalid; allowed: one of bfloat16, float16."),
+        ("determinism=nope", "determinism=nope is not an option; allowed: fast, strict, warn."),
+        ("amp.enabled=3", "amp.enabled=3 is invalid; allowed: true or false."),
+        (
+            "determinism.cpu_threads=x",
+            "determinism.cpu_threads='x' is invalid; allowed: null or an integer.",
+        ),
+    ],
+)
 def test_cli_errors_are_one_line_and_stop_before_any_work(tmp_path, override, expected):
     """From the command line: exit 1, one line, no traceback, no run directory."""
     run_dir = tmp_path / "run"
     run = run_train(run_dir, override, check=False, cwd=tmp_path)
     assert run.proc.returncode == 1
     assert run.proc.stderr.strip() == f"error: config error: {expected}" or (
-        expected in run.proc.stderr and len(run.proc.stderr.strip().splitlines()) == 1)
+        expected in run.proc.stderr and len(run.proc.stderr.strip().splitlines()) == 1
+    )
     assert run.proc.stdout == ""
     assert not run_dir.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("sweep, expected", [
-    ("seed=0,1,x", "error: config error: seed='x' is invalid; allowed: an integer."),
-    # a type-correct value that fails a relation, in the *second* job: no job may run first
-    ("trainer.batch_size=64,50", "trainer.batch_size=50 is not divisible by trainer.micro_batch_size=32"),
-])
+@pytest.mark.parametrize(
+    "sweep, expected",
+    [
+        ("seed=0,1,x", "error: config error: seed='x' is invalid; allowed: an integer."),
+        # a type-correct value that fails a relation, in the *second* job: no job may run first
+        (
+            "trainer.batch_size=64,50",
+            "trainer.batch_size=50 is not divisible by trainer.micro_batch_size=32",
+        ),
+    ],
+)
 def test_a_bad_value_in_a_sweep_stops_the_whole_sweep_before_it_starts(tmp_path, sweep, expected):
-    proc = subprocess.run(train_cmd("-m", sweep, "trainer.max_steps=1"), cwd=tmp_path,
-                          env=user_env(), capture_output=True, text=True)
+    proc = subprocess.run(
+        train_cmd("-m", sweep, "trainer.max_steps=1"),
+        cwd=tmp_path,
+        env=user_env(),
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 1
     assert expected in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
 
 
 def test_check_overrides_leaves_what_it_does_not_know_to_hydra():
-    check_overrides(["+model.extra=1", "model.width=abc", "seed=range(0,3)", "~data.noise",
-                     "hydra.run.dir=x", "--multirun", "model=custom", "hydra.searchpath=[file://x]",
-                     "optim=glob(*)"], CONF_DIR)
+    check_overrides(
+        [
+            "+model.extra=1",
+            "model.width=abc",
+            "seed=range(0,3)",
+            "~data.noise",
+            "hydra.run.dir=x",
+            "--multirun",
+            "model=custom",
+            "hydra.searchpath=[file://x]",
+            "optim=glob(*)",
+        ],
+        CONF_DIR,
+    )
     check_overrides(["--config-dir=extra", "model=small"], CONF_DIR)
-    with pytest.raises(ConfigError, match="model=custom is not an option; allowed: convnet, resnet18"):
+    with pytest.raises(
+        ConfigError, match="model=custom is not an option; allowed: convnet, resnet18"
+    ):
         check_overrides(["model=custom"], CONF_DIR)

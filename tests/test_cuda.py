@@ -17,7 +17,11 @@ def test_strict_on_cuda_twice_and_with_workers_is_identical(train_run):
     b = train_run("b", *SHORT, "device=cuda")
     multi = train_run("multi", *SHORT, "device=cuda", "loader=multi")
     assert a.summary["device"].startswith("cuda")
-    assert a.summary["weights_sha256"] == b.summary["weights_sha256"] == multi.summary["weights_sha256"]
+    assert (
+        a.summary["weights_sha256"]
+        == b.summary["weights_sha256"]
+        == multi.summary["weights_sha256"]
+    )
     assert a.losses == b.losses == multi.losses
     assert a.entry("CUBLAS_WORKSPACE_CONFIG")["verified"] is True
 
@@ -30,8 +34,14 @@ def test_strict_bf16_on_cuda_twice_is_identical(train_run):
 
 
 def test_strict_resnet18_fp32_twice_is_identical(train_run):
-    args = ["device=cuda", "model=resnet18", "trainer.max_steps=20", "trainer.eval_every=20",
-            "trainer.batch_size=256", "trainer.micro_batch_size=128"]
+    args = [
+        "device=cuda",
+        "model=resnet18",
+        "trainer.max_steps=20",
+        "trainer.eval_every=20",
+        "trainer.batch_size=256",
+        "trainer.micro_batch_size=128",
+    ]
     a, b = train_run("a", *args), train_run("b", *args)
     assert a.summary["weights_sha256"] == b.summary["weights_sha256"]
     assert a.losses == b.losses
@@ -48,8 +58,10 @@ def test_deterministic_mode_makes_index_add_repeatable():
         before = torch.are_deterministic_algorithms_enabled()
         torch.use_deterministic_algorithms(deterministic)
         try:
-            outs = {torch.zeros(64, device="cuda").index_add_(0, index, src).cpu().numpy().tobytes()
-                    for _ in range(5)}
+            outs = {
+                torch.zeros(64, device="cuda").index_add_(0, index, src).cpu().numpy().tobytes()
+                for _ in range(5)
+            }
         finally:
             torch.use_deterministic_algorithms(before)
         return len(outs)

@@ -25,7 +25,9 @@ def small(**kw):
 
 def test_synthetic_depends_on_data_seed_only():
     a, b, c = small(seed=1), small(seed=1), small(seed=2)
-    assert tensors_sha256(a.train.images, a.train.labels) == tensors_sha256(b.train.images, b.train.labels)
+    assert tensors_sha256(a.train.images, a.train.labels) == tensors_sha256(
+        b.train.images, b.train.labels
+    )
     assert tensors_sha256(a.train.images) != tensors_sha256(c.train.images)
     assert tensors_sha256(a.train.images) != tensors_sha256(a.val.images)  # distinct splits
     assert a.train.images.dtype == torch.uint8 and a.train.images.shape == (256, 3, 32, 32)
@@ -62,7 +64,7 @@ def test_sampler_is_a_pure_function_of_the_step():
     stream = list(itertools.islice(iter(s), 4 * 10))  # 10 steps x 4 micro-batches
     assert all(len(mb) == 8 for mb in stream)
     resumed = KeyedBatchSampler(100, 32, 8, seed=0, start_step=7)
-    assert list(itertools.islice(iter(resumed), 4 * 3)) == stream[4 * 7:]
+    assert list(itertools.islice(iter(resumed), 4 * 3)) == stream[4 * 7 :]
     epoch0 = [i for mb in stream[:12] for (e, i) in mb]
     assert len(set(epoch0)) == 96 and {e for mb in stream[:12] for (e, _) in mb} == {0}
     epoch1 = [i for mb in stream[12:24] for (_, i) in mb]

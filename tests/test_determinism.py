@@ -17,8 +17,9 @@ def _hash_seed_in_effect(env_value, set_later=False):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
     if env_value is not None:
         env["PYTHONHASHSEED"] = env_value
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          check=True).stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def test_hash_seed_check_tells_started_with_from_set_later():
@@ -31,16 +32,24 @@ def test_hash_seed_check_tells_started_with_from_set_later():
 def test_strict_re_executes_to_pin_the_environment(train_run):
     run = train_run("strict", *SHORT[:1], "trainer.max_steps=2", "trainer.eval_every=2")
     assert run.entry("re-executed to pin the environment")["value"] is True
-    for name in ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG", "use_deterministic_algorithms",
-                 "cudnn.deterministic", "cudnn.benchmark", "cuda.matmul.allow_tf32",
-                 "torch intra-op threads"):
+    for name in (
+        "PYTHONHASHSEED",
+        "CUBLAS_WORKSPACE_CONFIG",
+        "use_deterministic_algorithms",
+        "cudnn.deterministic",
+        "cudnn.benchmark",
+        "cuda.matmul.allow_tf32",
+        "torch intra-op threads",
+    ):
         assert run.entry(name)["verified"] is True, name
     assert run.entry("PYTHONHASHSEED")["value"] == "0"
     assert run.report["not_covered"]
 
 
 def test_strict_refuses_to_run_without_the_environment(train_run):
-    run = train_run("nopin", "trainer.max_steps=2", "determinism.pin_process_env=false", check=False)
+    run = train_run(
+        "nopin", "trainer.max_steps=2", "determinism.pin_process_env=false", check=False
+    )
     assert run.proc.returncode == 1
     assert "PYTHONHASHSEED" in run.proc.stderr and "Traceback" not in run.proc.stderr
     # with the variables exported by the user, no re-exec is needed
@@ -51,8 +60,12 @@ def test_strict_refuses_to_run_without_the_environment(train_run):
 
 
 def test_tf32_override_is_removed_in_strict(train_run):
-    run = train_run("tf32", "trainer.max_steps=2", "trainer.eval_every=2",
-                    env=user_env(TORCH_ALLOW_TF32_CUBLAS_OVERRIDE="1"))
+    run = train_run(
+        "tf32",
+        "trainer.max_steps=2",
+        "trainer.eval_every=2",
+        env=user_env(TORCH_ALLOW_TF32_CUBLAS_OVERRIDE="1"),
+    )
     assert run.entry("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE")["value"] is None
 
 
@@ -60,16 +73,31 @@ def test_a_job_of_a_sweep_does_not_inherit_the_previous_jobs_threads(tmp_path):
     """Jobs of a sweep share one process: job 1 (threads left to PyTorch) must not keep
     job 0's fixed thread count."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), "-m", "determinism.cpu_threads=1,null",
-         "determinism=fast", "trainer.max_steps=1", "trainer.eval_every=1"],
-        cwd=tmp_path, env=user_env(), capture_output=True, text=True)
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "-m",
+            "determinism.cpu_threads=1,null",
+            "determinism=fast",
+            "trainer.max_steps=1",
+            "trainer.eval_every=1",
+        ],
+        cwd=tmp_path,
+        env=user_env(),
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     threads = {}
     for path in tmp_path.glob("multirun/**/determinism.json"):
         entries = json.loads(path.read_text())["entries"]
-        threads[path.parent.name] = next(e for e in entries if e["name"] == "torch intra-op threads")
+        threads[path.parent.name] = next(
+            e for e in entries if e["name"] == "torch intra-op threads"
+        )
     assert threads["0_seed=0"]["value"] == 1
-    assert threads["1_seed=0"]["value"] == threads["1_seed=0"]["requested"] == torch.get_num_threads()
+    assert (
+        threads["1_seed=0"]["value"] == threads["1_seed=0"]["requested"] == torch.get_num_threads()
+    )
     assert torch.get_num_threads() != 1 or os.cpu_count() == 1  # else this test proves nothing
 
 

@@ -43,8 +43,16 @@ def _step(model, k, step=0, seed=0, same_inputs=False):
         seen.update({n: p.grad.clone() for n, p in model.named_parameters()})
 
     opt.register_step_pre_hook(grab)
-    loss, norm = train_step(model, opt, scaler, mb, step=step, seed=seed, batch_size=8,
-                            autocast=lambda: torch.autocast("cpu", enabled=False))
+    loss, norm = train_step(
+        model,
+        opt,
+        scaler,
+        mb,
+        step=step,
+        seed=seed,
+        batch_size=8,
+        autocast=lambda: torch.autocast("cpu", enabled=False),
+    )
     return loss, norm, seen
 
 

@@ -27,7 +27,12 @@ def test_console_command_and_extras():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["scripts"]["repro"] == "repro.cli:main"
     assert {"dev", "cifar10", "images"} <= project["optional-dependencies"].keys()
-    assert {_name(r) for r in project["dependencies"]} == {"torch", "numpy", "hydra-core", "omegaconf"}
+    assert {_name(r) for r in project["dependencies"]} == {
+        "torch",
+        "numpy",
+        "hydra-core",
+        "omegaconf",
+    }
 
 
 def test_ci_runs_the_readme_test_command():

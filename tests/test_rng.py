@@ -41,8 +41,13 @@ def test_derive_seed_separates_purposes_and_counters():
 def test_derive_seed_does_not_depend_on_hash_randomization():
     code = "from repro.rng import derive_seed; print(derive_seed(7, 'order', 2))"
     outs = {
-        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                       env={**os.environ, "PYTHONHASHSEED": value}).stdout
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": value},
+        ).stdout
         for value in ("0", "1", "random")
     }
     assert outs == {f"{derive_seed(7, 'order', 2)}\n"}

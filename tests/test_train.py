@@ -53,8 +53,15 @@ def test_seeds_change_the_bits_and_zero_is_a_seed(strict_runs, train_run):
 
 def test_run_directory_holds_config_report_metrics_checkpoint_summary(strict_runs):
     d = strict_runs["a"].dir
-    for name in (".hydra/config.yaml", "determinism.json", "determinism.txt", "metrics.csv",
-                 "eval.csv", "checkpoint.pt", "summary.json"):
+    for name in (
+        ".hydra/config.yaml",
+        "determinism.json",
+        "determinism.txt",
+        "metrics.csv",
+        "eval.csv",
+        "checkpoint.pt",
+        "summary.json",
+    ):
         assert (d / name).is_file(), name
     assert not list(d.glob(".*.tmp"))  # atomic writes left no temporaries
 
@@ -77,8 +84,14 @@ def test_fast_and_amp_run_and_report_what_they_set(train_run):
 
 
 def test_multirun_makes_one_directory_per_seed_named_by_seed(tmp_path):
-    proc = subprocess.run(train_cmd("-m", "seed=0,1", "trainer.max_steps=4", "trainer.eval_every=4"),
-                          cwd=tmp_path, env=user_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        train_cmd("-m", "seed=0,1", "trainer.max_steps=4", "trainer.eval_every=4"),
+        cwd=tmp_path,
+        env=user_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     jobs = sorted(p.parent.name for p in tmp_path.glob("multirun/*/*/*/summary.json"))
     assert jobs == ["0_seed=0", "1_seed=1"]
@@ -106,10 +119,20 @@ def test_two_sweeps_in_the_same_second_do_not_collide(tmp_path):
     pattern = yaml.safe_load((ROOT / "conf" / "train.yaml").read_text())["hydra"]["sweep"]["dir"]
     frozen = re.sub(r"\$\{now:[^}]*\}", "same-second", pattern)
     assert frozen != pattern
-    cmd = train_cmd("-m", "seed=0", "trainer.max_steps=2", "trainer.eval_every=2",
-                    f"hydra.sweep.dir={frozen}")
-    procs = [subprocess.Popen(cmd, cwd=tmp_path, env=user_env(), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    cmd = train_cmd(
+        "-m", "seed=0", "trainer.max_steps=2", "trainer.eval_every=2", f"hydra.sweep.dir={frozen}"
+    )
+    procs = [
+        subprocess.Popen(
+            cmd,
+            cwd=tmp_path,
+            env=user_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     for p in procs:
         assert p.wait(timeout=600) == 0, p.stderr.read()
     jobs = sorted(tmp_path.glob("multirun/**/0_seed=0/summary.json"))
@@ -128,13 +151,21 @@ def test_a_model_added_by_one_module_and_one_yaml(tmp_path):
         "        self.net = nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size**2, hidden),\n"
         "                                 nn.ReLU(), nn.Linear(hidden, num_classes))\n\n"
         "    def forward(self, x):\n"
-        "        return self.net(x)\n")
+        "        return self.net(x)\n"
+    )
     (tmp_path / "conf" / "model").mkdir(parents=True)
     (tmp_path / "conf" / "model" / "tiny_mlp.yaml").write_text(
-        "_target_: mylab.models.TinyMLP\nhidden: 64\n")
+        "_target_: mylab.models.TinyMLP\nhidden: 64\n"
+    )
     env = user_env()
     env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    run = run_train(tmp_path / "run", f"hydra.searchpath=[file://{tmp_path / 'conf'}]",
-                    "model=tiny_mlp", "trainer.max_steps=3", "trainer.eval_every=3", env=env)
+    run = run_train(
+        tmp_path / "run",
+        f"hydra.searchpath=[file://{tmp_path / 'conf'}]",
+        "model=tiny_mlp",
+        "trainer.max_steps=3",
+        "trainer.eval_every=3",
+        env=env,
+    )
     assert "TinyMLP" in run.proc.stdout + run.proc.stderr
     assert run.summary["steps"] == 3

@@ -29,7 +29,9 @@ def cmd_digest(args: argparse.Namespace) -> int:
     try:
         state = load_checkpoint(path)
     except Exception as err:
-        raise ReproError(f"{path}: not a readable repro checkpoint ({type(err).__name__}).") from err
+        raise ReproError(
+            f"{path}: not a readable repro checkpoint ({type(err).__name__})."
+        ) from err
     if not isinstance(state, dict) or "model" not in state:
         raise ReproError(f"{path}: not a repro checkpoint (no 'model' entry).")
     print(f"{state_dict_sha256(state['model'])}  {path}")

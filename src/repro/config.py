@@ -177,7 +177,9 @@ def validate(cfg: DictConfig) -> None:
     for group in cfg:
         if group != "hydra" and isinstance(cfg[group], DictConfig):
             for key in sorted(OmegaConf.missing_keys(cfg[group])):  # full keys, e.g. data.path
-                raise ConfigError(f"config error: {key} is required (??? in the config); set {key}=...")
+                raise ConfigError(
+                    f"config error: {key} is required (??? in the config); set {key}=..."
+                )
     t, ld, d = cfg.trainer, cfg.loader, cfg.determinism
     if cfg.seed < 0 or cfg.seed >= 2**63:
         _fail("seed", cfg.seed, "an integer in [0, 2**63)")
@@ -188,8 +190,14 @@ def validate(cfg: DictConfig) -> None:
             f"config error: device={cfg.device} but no CUDA device is available; "
             "use device=auto or device=cpu."
         )
-    for key in ("max_steps", "batch_size", "micro_batch_size", "eval_every", "eval_batch_size",
-                "log_every"):
+    for key in (
+        "max_steps",
+        "batch_size",
+        "micro_batch_size",
+        "eval_every",
+        "eval_batch_size",
+        "log_every",
+    ):
         if t[key] < 1:
             _fail(f"trainer.{key}", t[key], "an integer >= 1")
     if t.batch_size % t.micro_batch_size != 0:
@@ -207,9 +215,15 @@ def validate(cfg: DictConfig) -> None:
     if not re.fullmatch(r"random|\d+", d.pythonhashseed) or (
         d.pythonhashseed != "random" and int(d.pythonhashseed) > 4294967295
     ):
-        _fail("determinism.pythonhashseed", d.pythonhashseed, "'random' or an integer in [0, 4294967295]")
+        _fail(
+            "determinism.pythonhashseed",
+            d.pythonhashseed,
+            "'random' or an integer in [0, 4294967295]",
+        )
     if d.cublas_workspace_config not in (":4096:8", ":16:8"):
-        _fail("determinism.cublas_workspace_config", d.cublas_workspace_config, "':4096:8' or ':16:8'")
+        _fail(
+            "determinism.cublas_workspace_config", d.cublas_workspace_config, "':4096:8' or ':16:8'"
+        )
     o = cfg.optim
     if not o.lr > 0:
         _fail("optim.lr", o.lr, "a number > 0")
@@ -237,7 +251,9 @@ def validate(cfg: DictConfig) -> None:
             ) from None
         _check_arguments(group, node, target)
     if "path" in cfg.data and not Path(str(cfg.data.path)).expanduser().exists():
-        raise ConfigError(f"config error: data.path={cfg.data.path!r} does not exist; point it at your data.")
+        raise ConfigError(
+            f"config error: data.path={cfg.data.path!r} does not exist; point it at your data."
+        )
 
 
 # filled in by the loop from the dataset, never from the config

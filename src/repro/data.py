@@ -102,9 +102,17 @@ def synthetic(
         contrast = 0.5 + 0.5 * torch.rand(n, generator=g)
         coords = torch.linspace(-0.5, 0.5, image_size)
         yy, xx = torch.meshgrid(coords, coords, indexing="ij")
-        proj = xx[None] * torch.cos(angle)[:, None, None] + yy[None] * torch.sin(angle)[:, None, None]
+        proj = (
+            xx[None] * torch.cos(angle)[:, None, None] + yy[None] * torch.sin(angle)[:, None, None]
+        )
         wave = torch.sin(2 * math.pi * freq[:, None, None] * proj + phase[:, None, None])
-        img = 0.5 + 0.45 * contrast[:, None, None, None] * wave[:, None] * palette[labels][:, :, None, None]
+        img = (
+            0.5
+            + 0.45
+            * contrast[:, None, None, None]
+            * wave[:, None]
+            * palette[labels][:, :, None, None]
+        )
         img = img + noise * torch.randn(n, 3, image_size, image_size, generator=g)
         images = (img.clamp(0, 1) * 255).round().to(torch.uint8)
         return TensorImages(images, labels)
@@ -135,7 +143,9 @@ def image_folder(
             "sub-folder of images per class."
         )
     if not 0 < val_fraction < 1:
-        raise DataError(f"data.val_fraction={val_fraction} is invalid; allowed: a number in (0, 1).")
+        raise DataError(
+            f"data.val_fraction={val_fraction} is invalid; allowed: a number in (0, 1)."
+        )
     classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     files = [
         (f, label)
@@ -153,8 +163,11 @@ def image_folder(
         try:
             with Image.open(f) as im:
                 im = im.convert("RGB").resize((image_size, image_size), Image.BILINEAR)
-                images[i] = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).view(
-                    image_size, image_size, 3).permute(2, 0, 1)
+                images[i] = (
+                    torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8)
+                    .view(image_size, image_size, 3)
+                    .permute(2, 0, 1)
+                )
         except OSError as err:
             raise DataError(f"data: cannot read image {f}: {err}; remove or fix the file.") from err
     labels = torch.tensor([label for _, label in files])
@@ -163,8 +176,12 @@ def image_folder(
     val_idx, train_idx = order[:n_val].sort().values, order[n_val:].sort().values
     if len(train_idx) == 0:
         raise DataError(f"data.path={path!r}: too few images to hold out data.val_fraction.")
-    return DataSplits(TensorImages(images[train_idx], labels[train_idx]),
-                      TensorImages(images[val_idx], labels[val_idx]), len(classes), augment)
+    return DataSplits(
+        TensorImages(images[train_idx], labels[train_idx]),
+        TensorImages(images[val_idx], labels[val_idx]),
+        len(classes),
+        augment,
+    )
 
 
 def cifar10(root: str = "data/cifar10", download: bool = True, augment: bool = True) -> DataSplits:
@@ -185,8 +202,14 @@ def cifar10(root: str = "data/cifar10", download: bool = True, augment: bool = T
         images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()
         return TensorImages(images, torch.tensor(ds.targets))
 
-    return DataSplits(load(True), load(False), 10, augment,
-                      mean=(0.4914, 0.4822, 0.4465), std=(0.2470, 0.2435, 0.2616))
+    return DataSplits(
+        load(True),
+        load(False),
+        10,
+        augment,
+        mean=(0.4914, 0.4822, 0.4465),
+        std=(0.2470, 0.2435, 0.2616),
+    )
 
 
 # --------------------------------------------------------------- keyed augmentation
@@ -236,8 +259,14 @@ class KeyedBatchSampler:
     at another ``start_step``.
     """
 
-    def __init__(self, dataset_size: int, batch_size: int, micro_batch_size: int, seed: int,
-                 start_step: int = 0) -> None:
+    def __init__(
+        self,
+        dataset_size: int,
+        batch_size: int,
+        micro_batch_size: int,
+        seed: int,
+        start_step: int = 0,
+    ) -> None:
         if dataset_size < batch_size:
             raise DataError(
                 f"the training split has {dataset_size} samples, fewer than "
@@ -267,8 +296,15 @@ class KeyedBatchSampler:
             step += 1
 
 
-def make_train_loader(splits: DataSplits, seed: int, batch_size: int, micro_batch_size: int,
-                      loader_cfg, pin_memory: bool, start_step: int = 0) -> DataLoader:
+def make_train_loader(
+    splits: DataSplits,
+    seed: int,
+    batch_size: int,
+    micro_batch_size: int,
+    loader_cfg,
+    pin_memory: bool,
+    start_step: int = 0,
+) -> DataLoader:
     """A DataLoader over micro-batches of the training split (infinite; the loop counts)."""
     workers = int(loader_cfg.num_workers)
     extra = {}
@@ -278,8 +314,9 @@ def make_train_loader(splits: DataSplits, seed: int, batch_size: int, micro_batc
             extra["prefetch_factor"] = int(loader_cfg.prefetch_factor)
     return DataLoader(
         KeyedAugmentDataset(splits.train, seed, splits.augment),
-        batch_sampler=KeyedBatchSampler(len(splits.train), batch_size, micro_batch_size, seed,
-                                        start_step),
+        batch_sampler=KeyedBatchSampler(
+            len(splits.train), batch_size, micro_batch_size, seed, start_step
+        ),
         num_workers=workers,
         pin_memory=pin_memory,
         worker_init_fn=worker_init_fn,
@@ -298,6 +335,14 @@ class DeviceNormalizer:
         self.mean = torch.tensor(splits.mean, device=device).view(shape)
         self.std = torch.tensor(splits.std, device=device).view(shape)
 
-    def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = images.to(self.device, non_blocking=True).float().div_(255).sub_(self.mean).div_(self.std)
+    def __call__(
+        self, images: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = (
+            images.to(self.device, non_blocking=True)
+            .float()
+            .div_(255)
+            .sub_(self.mean)
+            .div_(self.std)
+        )
         return x, labels.to(self.device, non_blocking=True)

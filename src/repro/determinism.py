@@ -148,8 +148,15 @@ class DeterminismReport:
     entries: list[Entry] = field(default_factory=list)
     not_covered: list[str] = field(default_factory=lambda: list(NOT_COVERED))
 
-    def add(self, layer: str, name: str, value: Any, requested: Any = None,
-            verified: bool | None = None, note: str = "") -> None:
+    def add(
+        self,
+        layer: str,
+        name: str,
+        value: Any,
+        requested: Any = None,
+        verified: bool | None = None,
+        note: str = "",
+    ) -> None:
         if verified is None and requested is not None:
             verified = value == requested
         self.entries.append(Entry(layer, name, value, requested, verified, note))
@@ -159,8 +166,12 @@ class DeterminismReport:
         return [e for e in self.entries if e.verified is False]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "device": self.device,
-                "entries": [asdict(e) for e in self.entries], "not_covered": self.not_covered}
+        return {
+            "mode": self.mode,
+            "device": self.device,
+            "entries": [asdict(e) for e in self.entries],
+            "not_covered": self.not_covered,
+        }
 
     def format(self) -> str:
         mark = {True: "ok", False: "NOT IN EFFECT", None: "set"}
@@ -187,8 +198,9 @@ def hash_seed_in_effect(value: str) -> bool:
     hash of a fixed string here with the one a fresh interpreter computes."""
     probe = f"print(hash({_HASH_PROBE!r}))"
     env = {**os.environ, "PYTHONHASHSEED": value}
-    out = subprocess.run([sys.executable, "-S", "-c", probe], env=env, capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", probe], env=env, capture_output=True, text=True, check=True
+    )
     return int(out.stdout) == hash(_HASH_PROBE)
 
 
@@ -198,23 +210,42 @@ def _layer0_process(report: DeterminismReport, dcfg: DictConfig, device: torch.d
     seed = os.environ.get("PYTHONHASHSEED")
     if strict:
         in_effect = seed == str(dcfg.pythonhashseed) and hash_seed_in_effect(seed)
-        report.add(name, "PYTHONHASHSEED", seed, str(dcfg.pythonhashseed), in_effect,
-                   "str hash of a probe matches a fresh interpreter's" if in_effect else
-                   "set it before the interpreter starts (train.py re-executes itself)")
+        report.add(
+            name,
+            "PYTHONHASHSEED",
+            seed,
+            str(dcfg.pythonhashseed),
+            in_effect,
+            "str hash of a probe matches a fresh interpreter's"
+            if in_effect
+            else "set it before the interpreter starts (train.py re-executes itself)",
+        )
     else:
         report.add(name, "PYTHONHASHSEED", seed, note="not pinned in fast mode")
     cublas = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-    cuda_note = "in the environment before CUDA initialised" if device.type == "cuda" else \
-        "no CUDA device: recorded only"
+    cuda_note = (
+        "in the environment before CUDA initialised"
+        if device.type == "cuda"
+        else "no CUDA device: recorded only"
+    )
     if strict:
-        report.add(name, "CUBLAS_WORKSPACE_CONFIG", cublas, str(dcfg.cublas_workspace_config),
-                   note=cuda_note + "; torch>=2.10 no longer needs it")
+        report.add(
+            name,
+            "CUBLAS_WORKSPACE_CONFIG",
+            cublas,
+            str(dcfg.cublas_workspace_config),
+            note=cuda_note + "; torch>=2.10 no longer needs it",
+        )
     else:
         report.add(name, "CUBLAS_WORKSPACE_CONFIG", cublas, note="not pinned in fast mode")
     override = os.environ.get(TF32_OVERRIDE)
-    report.add(name, TF32_OVERRIDE, override,
-               verified=None if dcfg.allow_tf32 else override != "1",
-               note="'1' silently turns TF32 on")
+    report.add(
+        name,
+        TF32_OVERRIDE,
+        override,
+        verified=None if dcfg.allow_tf32 else override != "1",
+        note="'1' silently turns TF32 on",
+    )
     report.add(name, "re-executed to pin the environment", bool(os.environ.get(REEXEC_MARKER)))
 
 
@@ -229,8 +260,13 @@ def _layer1_cpu(report: DeterminismReport, cfg: DictConfig) -> None:
         report.add(name, "torch intra-op threads", torch.get_num_threads(), int(threads))
     else:
         torch.set_num_threads(_DEFAULT_THREADS)
-        report.add(name, "torch intra-op threads", torch.get_num_threads(), _DEFAULT_THREADS,
-                   note="PyTorch's default for this machine (differs between machines)")
+        report.add(
+            name,
+            "torch intra-op threads",
+            torch.get_num_threads(),
+            _DEFAULT_THREADS,
+            note="PyTorch's default for this machine (differs between machines)",
+        )
     report.add(name, "torch inter-op threads", torch.get_num_interop_threads())
     report.add(name, "cpu count", os.cpu_count())
 
@@ -239,29 +275,49 @@ def _layer2_gpu(report: DeterminismReport, dcfg: DictConfig, device: torch.devic
     name = "2 GPU kernels"
     torch.backends.cudnn.deterministic = bool(dcfg.cudnn_deterministic)
     torch.backends.cudnn.benchmark = bool(dcfg.cudnn_benchmark)
-    torch.use_deterministic_algorithms(bool(dcfg.deterministic_algorithms),
-                                       warn_only=bool(dcfg.warn_only))
+    torch.use_deterministic_algorithms(
+        bool(dcfg.deterministic_algorithms), warn_only=bool(dcfg.warn_only)
+    )
     torch.utils.deterministic.fill_uninitialized_memory = bool(dcfg.fill_uninitialized_memory)
     torch.backends.cuda.matmul.allow_tf32 = bool(dcfg.allow_tf32)
     torch.backends.cudnn.allow_tf32 = bool(dcfg.allow_tf32)
     torch.set_float32_matmul_precision("high" if dcfg.allow_tf32 else "highest")
 
-    report.add(name, "cudnn.deterministic", torch.backends.cudnn.deterministic,
-               bool(dcfg.cudnn_deterministic))
-    report.add(name, "cudnn.benchmark", torch.backends.cudnn.benchmark,
-               bool(dcfg.cudnn_benchmark))
-    report.add(name, "use_deterministic_algorithms", torch.are_deterministic_algorithms_enabled(),
-               bool(dcfg.deterministic_algorithms))
-    report.add(name, "deterministic warn_only",
-               torch.is_deterministic_algorithms_warn_only_enabled(), bool(dcfg.warn_only))
-    report.add(name, "fill_uninitialized_memory",
-               torch.utils.deterministic.fill_uninitialized_memory,
-               bool(dcfg.fill_uninitialized_memory))
-    report.add(name, "cuda.matmul.allow_tf32", torch.backends.cuda.matmul.allow_tf32,
-               bool(dcfg.allow_tf32))
+    report.add(
+        name,
+        "cudnn.deterministic",
+        torch.backends.cudnn.deterministic,
+        bool(dcfg.cudnn_deterministic),
+    )
+    report.add(name, "cudnn.benchmark", torch.backends.cudnn.benchmark, bool(dcfg.cudnn_benchmark))
+    report.add(
+        name,
+        "use_deterministic_algorithms",
+        torch.are_deterministic_algorithms_enabled(),
+        bool(dcfg.deterministic_algorithms),
+    )
+    report.add(
+        name,
+        "deterministic warn_only",
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        bool(dcfg.warn_only),
+    )
+    report.add(
+        name,
+        "fill_uninitialized_memory",
+        torch.utils.deterministic.fill_uninitialized_memory,
+        bool(dcfg.fill_uninitialized_memory),
+    )
+    report.add(
+        name, "cuda.matmul.allow_tf32", torch.backends.cuda.matmul.allow_tf32, bool(dcfg.allow_tf32)
+    )
     report.add(name, "cudnn.allow_tf32", torch.backends.cudnn.allow_tf32, bool(dcfg.allow_tf32))
-    report.add(name, "float32_matmul_precision", torch.get_float32_matmul_precision(),
-               "high" if dcfg.allow_tf32 else "highest")
+    report.add(
+        name,
+        "float32_matmul_precision",
+        torch.get_float32_matmul_precision(),
+        "high" if dcfg.allow_tf32 else "highest",
+    )
     if device.type == "cuda":
         report.add(name, "gpu", torch.cuda.get_device_name(device))
         report.add(name, "cuda / cudnn", f"{torch.version.cuda} / {torch.backends.cudnn.version()}")
@@ -273,27 +329,47 @@ def _layer2_gpu(report: DeterminismReport, dcfg: DictConfig, device: torch.devic
 def _layer3_data(report: DeterminismReport, cfg: DictConfig) -> None:
     name = "3 data"
     report.add(name, "sample order", "keyed", note="randperm keyed (seed, 'order', epoch)")
-    report.add(name, "augmentation", "keyed per sample",
-               note="generator keyed (seed, 'augment', epoch, index)")
+    report.add(
+        name,
+        "augmentation",
+        "keyed per sample",
+        note="generator keyed (seed, 'augment', epoch, index)",
+    )
     report.add(name, "loader generator", "keyed", note="(seed, 'loader'): worker base seeds")
-    report.add(name, "worker_init_fn", "seeds numpy/random",
-               note="from torch.initial_seed(), for third-party transforms only")
-    report.add(name, "num_workers", int(cfg.loader.num_workers),
-               note="does not change the bits")
+    report.add(
+        name,
+        "worker_init_fn",
+        "seeds numpy/random",
+        note="from torch.initial_seed(), for third-party transforms only",
+    )
+    report.add(name, "num_workers", int(cfg.loader.num_workers), note="does not change the bits")
 
 
 def _layer4_ops(report: DeterminismReport, cfg: DictConfig, device: torch.device) -> None:
     name = "4 ops"
     amp = "off" if not cfg.amp.enabled else f"{cfg.amp.dtype} autocast ({device.type})"
-    report.add(name, "amp", amp,
-               note="GradScaler on" if cfg.amp.enabled and str(cfg.amp.dtype) == "float16" else "")
-    report.add(name, "forward randomness", "keyed",
-               note="generator re-seeded (seed, 'forward', step, micro_batch)")
+    report.add(
+        name,
+        "amp",
+        amp,
+        note="GradScaler on" if cfg.amp.enabled and str(cfg.amp.dtype) == "float16" else "",
+    )
+    report.add(
+        name,
+        "forward randomness",
+        "keyed",
+        note="generator re-seeded (seed, 'forward', step, micro_batch)",
+    )
     k = int(cfg.trainer.batch_size) // int(cfg.trainer.micro_batch_size)
-    report.add(name, "micro-batches per step", k,
-               note="gradients summed by a fixed binary tree over k")
-    report.add(name, "optimizer implementation", f"{cfg.optim.name} / {cfg.optim.implementation}",
-               note="pinned: fused, foreach and for-loop differ in the last bits")
+    report.add(
+        name, "micro-batches per step", k, note="gradients summed by a fixed binary tree over k"
+    )
+    report.add(
+        name,
+        "optimizer implementation",
+        f"{cfg.optim.name} / {cfg.optim.implementation}",
+        note="pinned: fused, foreach and for-loop differ in the last bits",
+    )
 
 
 def apply_determinism(cfg: DictConfig, device: torch.device) -> DeterminismReport:

@@ -57,7 +57,9 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device={name} but no CUDA device is available; use device=auto or device=cpu.")
+        raise ConfigError(
+            f"device={name} but no CUDA device is available; use device=auto or device=cpu."
+        )
     return device
 
 
@@ -80,19 +82,33 @@ def build_model(cfg: DictConfig, splits: DataSplits, device: torch.device) -> nn
     the initial weights are the same on every device, then move it."""
     with torch.random.fork_rng(devices=[]):  # CPU generator only; restored afterwards
         torch.default_generator.manual_seed(derive_seed(int(cfg.seed), "init"))
-        model = _instantiate(cfg.model, "model", num_classes=splits.num_classes,
-                             in_channels=splits.in_channels)
+        model = _instantiate(
+            cfg.model, "model", num_classes=splits.num_classes, in_channels=splits.in_channels
+        )
     return model.to(device)
 
 
 def build_optimizer(model: nn.Module, o: DictConfig) -> torch.optim.Optimizer:
-    impl = {"foreach": {"foreach": True}, "fused": {"fused": True},
-            "for_loop": {"foreach": False}}[str(o.implementation)]
+    impl = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for_loop": {"foreach": False}}[
+        str(o.implementation)
+    ]
     if str(o.name) == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum,
-                               nesterov=o.nesterov, weight_decay=o.weight_decay, **impl)
-    return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                             weight_decay=o.weight_decay, **impl)
+        return torch.optim.SGD(
+            model.parameters(),
+            lr=o.lr,
+            momentum=o.momentum,
+            nesterov=o.nesterov,
+            weight_decay=o.weight_decay,
+            **impl,
+        )
+    return torch.optim.AdamW(
+        model.parameters(),
+        lr=o.lr,
+        betas=tuple(o.betas),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        **impl,
+    )
 
 
 def build_schedule(optimizer: torch.optim.Optimizer, o: DictConfig, max_steps: int):
@@ -152,8 +168,13 @@ def train_step(
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, splits: DataSplits, normalize: DeviceNormalizer, batch_size: int,
-             autocast: Callable[[], AbstractContextManager]) -> tuple[float, float]:
+def evaluate(
+    model: nn.Module,
+    splits: DataSplits,
+    normalize: DeviceNormalizer,
+    batch_size: int,
+    autocast: Callable[[], AbstractContextManager],
+) -> tuple[float, float]:
     """Mean loss and accuracy on the validation split (fixed order, no augmentation)."""
     model.eval()
     val = splits.val
@@ -209,15 +230,23 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     def autocast() -> AbstractContextManager:
         return torch.autocast(device.type, dtype=amp_dtype, enabled=bool(cfg.amp.enabled))
 
-    loader = make_train_loader(splits, seed, int(t.batch_size), int(t.micro_batch_size),
-                               cfg.loader, pin_memory=bool(cfg.loader.pin_memory) and device.type == "cuda")
+    loader = make_train_loader(
+        splits,
+        seed,
+        int(t.batch_size),
+        int(t.micro_batch_size),
+        cfg.loader,
+        pin_memory=bool(cfg.loader.pin_memory) and device.type == "cuda",
+    )
     steps_per_epoch = loader.batch_sampler.steps_per_epoch
     normalize = DeviceNormalizer(splits, device)
     k_micro = int(t.batch_size) // int(t.micro_batch_size)
     n_params = sum(p.numel() for p in model.parameters())
-    log.info(f"model {type(model).__name__} ({n_params:,} parameters) on {device}; "
-             f"{len(splits.train)} train / {len(splits.val)} val samples; "
-             f"batch {t.batch_size} = {k_micro} x {t.micro_batch_size}; {t.max_steps} steps")
+    log.info(
+        f"model {type(model).__name__} ({n_params:,} parameters) on {device}; "
+        f"{len(splits.train)} train / {len(splits.val)} val samples; "
+        f"batch {t.batch_size} = {k_micro} x {t.micro_batch_size}; {t.max_steps} steps"
+    )
 
     metrics = CsvLog(run_dir / "metrics.csv", ["step", "epoch", "loss", "grad_norm", "lr"])
     evals = CsvLog(run_dir / "eval.csv", ["step", "val_loss", "val_accuracy"])
@@ -229,8 +258,13 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         nonlocal last_loss
         if not pending:
             return
-        values = torch.stack([torch.stack([loss, norm.float()]) for _, loss, norm, _ in pending]).tolist()
-        rows = [[s, (s - 1) // steps_per_epoch, v[0], v[1], lr] for (s, _, _, lr), v in zip(pending, values, strict=True)]
+        values = torch.stack(
+            [torch.stack([loss, norm.float()]) for _, loss, norm, _ in pending]
+        ).tolist()
+        rows = [
+            [s, (s - 1) // steps_per_epoch, v[0], v[1], lr]
+            for (s, _, _, lr), v in zip(pending, values, strict=True)
+        ]
         metrics.write(rows)
         last_loss = rows[-1][2]
         pending.clear()
@@ -242,8 +276,16 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         for step in range(int(t.max_steps)):
             micro = [normalize(*next(batches)) for _ in range(k_micro)]
             lr = schedule.get_last_lr()[0]
-            loss, grad_norm = train_step(model, optimizer, scaler, micro, step=step, seed=seed,
-                                         batch_size=int(t.batch_size), autocast=autocast)
+            loss, grad_norm = train_step(
+                model,
+                optimizer,
+                scaler,
+                micro,
+                step=step,
+                seed=seed,
+                batch_size=int(t.batch_size),
+                autocast=autocast,
+            )
             schedule.step()
             done = step + 1
             pending.append((done, loss, grad_norm, lr))
@@ -252,11 +294,15 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 progress.update(done, loss=f"{last_loss:.4f}")
             if done % int(t.eval_every) == 0 or done == int(t.max_steps):
                 flush()
-                val_loss, val_acc = evaluate(model, splits, normalize, int(t.eval_batch_size), autocast)
+                val_loss, val_acc = evaluate(
+                    model, splits, normalize, int(t.eval_batch_size), autocast
+                )
                 evals.write([[done, val_loss, val_acc]])
                 progress.close()
-                log.info(f"step {done}/{t.max_steps}  loss {last_loss:.4f}  "
-                         f"val_loss {val_loss:.4f}  val_acc {val_acc:.4f}")
+                log.info(
+                    f"step {done}/{t.max_steps}  loss {last_loss:.4f}  "
+                    f"val_loss {val_loss:.4f}  val_acc {val_acc:.4f}"
+                )
     finally:
         progress.close()
         metrics.close()
@@ -266,17 +312,20 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     state = model.state_dict()
     weights = state_dict_sha256(state)
     env = environment()
-    save_checkpoint(run_dir / str(t.checkpoint_name), {
-        "model": state,
-        "optimizer": optimizer.state_dict(),
-        "schedule": schedule.state_dict(),
-        "scaler": scaler.state_dict(),
-        "step": int(t.max_steps),
-        "config": resolved_container(cfg),
-        "config_hash": config_hash(cfg),
-        "weights_sha256": weights,
-        "environment": env,
-    })
+    save_checkpoint(
+        run_dir / str(t.checkpoint_name),
+        {
+            "model": state,
+            "optimizer": optimizer.state_dict(),
+            "schedule": schedule.state_dict(),
+            "scaler": scaler.state_dict(),
+            "step": int(t.max_steps),
+            "config": resolved_container(cfg),
+            "config_hash": config_hash(cfg),
+            "weights_sha256": weights,
+            "environment": env,
+        },
+    )
     summary = {
         "weights_sha256": weights,
         "steps": int(t.max_steps),
@@ -294,8 +343,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "wall_seconds": time.perf_counter() - t_start,
         "environment": env,
     }
-    atomic_write(run_dir / "summary.json",
-                 lambda f: f.write((json.dumps(summary, indent=2) + "\n").encode()))
+    atomic_write(
+        run_dir / "summary.json", lambda f: f.write((json.dumps(summary, indent=2) + "\n").encode())
+    )
     log.info(
         f"done: {summary['steps']} steps, final loss {last_loss:.4f}, val accuracy {val_acc:.4f}\n"
         f"  run dir         {run_dir}\n  weights sha256  {weights}"

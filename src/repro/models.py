@@ -29,8 +29,9 @@ class ConvNet(nn.Module):
     forward randomness is exercised.
     """
 
-    def __init__(self, num_classes: int, in_channels: int = 3, width: int = 32,
-                 dropout: float = 0.1) -> None:
+    def __init__(
+        self, num_classes: int, in_channels: int = 3, width: int = 32, dropout: float = 0.1
+    ) -> None:
         super().__init__()
         w = width
         self.features = nn.Sequential(
@@ -57,8 +58,9 @@ class BasicBlock(nn.Module):
         self.bn2 = nn.BatchNorm2d(cout)
         self.shortcut = nn.Sequential()
         if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False),
-                                          nn.BatchNorm2d(cout))
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.relu(self.bn1(self.conv1(x)))
@@ -69,12 +71,16 @@ class BasicBlock(nn.Module):
 class ResNet18(nn.Module):
     """ResNet-18 for 32×32 inputs (3×3 stem, no max-pool): 11M parameters at width 64."""
 
-    def __init__(self, num_classes: int, in_channels: int = 3, width: int = 64,
-                 dropout: float = 0.0) -> None:
+    def __init__(
+        self, num_classes: int, in_channels: int = 3, width: int = 64, dropout: float = 0.0
+    ) -> None:
         super().__init__()
         w = width
-        self.stem = nn.Sequential(nn.Conv2d(in_channels, w, 3, padding=1, bias=False),
-                                  nn.BatchNorm2d(w), nn.ReLU(inplace=True))
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, w, 3, padding=1, bias=False),
+            nn.BatchNorm2d(w),
+            nn.ReLU(inplace=True),
+        )
         layers, cin = [], w
         for i, cout in enumerate((w, 2 * w, 4 * w, 8 * w)):
             for j in range(2):

@@ -21,8 +21,10 @@ class Progress:
         filled = int(frac * self.width)
         rate = (done - self.start) / max(time.perf_counter() - self.t0, 1e-9)
         extra = " ".join(f"{k} {v}" for k, v in fields.items())
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] "
-                         f"{done}/{self.total} {rate:.1f} step/s {extra}\033[K")
+        sys.stderr.write(
+            f"\r[{'#' * filled}{'.' * (self.width - filled)}] "
+            f"{done}/{self.total} {rate:.1f} step/s {extra}\033[K"
+        )
         sys.stderr.flush()
 
     def close(self) -> None:

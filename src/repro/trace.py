@@ -60,8 +60,12 @@ def environment() -> dict[str, object]:
 
 def _nvidia_driver() -> str | None:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.splitlines()[0].strip() if out.returncode == 0 and out.stdout else None
