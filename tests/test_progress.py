@@ -17,7 +17,9 @@ def test_progress_bar_on_a_tty(monkeypatch):
     bar = Progress(10)
     bar.update(3, loss="0.5")
     bar.close()
+    bar.close()
     assert "3/10" in out.getvalue() and "loss 0.5" in out.getvalue()
+    assert out.getvalue().endswith("\033[K\n")  # one newline, however often it is closed
 
 
 def test_progress_bar_is_quiet_under_ci_and_in_pipes(monkeypatch):

@@ -12,6 +12,7 @@ class Progress:
         self.total, self.done, self.width = total, start, width
         self.enabled = enabled and sys.stderr.isatty() and os.environ.get("CI", "") == ""
         self.t0, self.start = time.perf_counter(), start
+        self.line_open = False  # a bar is on screen without its newline yet
 
     def update(self, done: int, **fields: object) -> None:
         self.done = done
@@ -26,8 +27,11 @@ class Progress:
             f"{done}/{self.total} {rate:.1f} step/s {extra}\033[K"
         )
         sys.stderr.flush()
+        self.line_open = True
 
     def close(self) -> None:
-        if self.enabled:
+        """End the bar's line (before a log line, and at the end); idempotent."""
+        if self.line_open:
             sys.stderr.write("\n")
             sys.stderr.flush()
+            self.line_open = False
