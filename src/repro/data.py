@@ -275,6 +275,7 @@ class KeyedBatchSampler:
         self.n, self.batch_size, self.micro = dataset_size, batch_size, micro_batch_size
         self.seed, self.start_step = seed, start_step
         self.steps_per_epoch = dataset_size // batch_size
+        self._cached_epoch, self._cached_perm = -1, []
 
     def step_keys(self, step: int) -> list[tuple[int, int]]:
         epoch, pos = divmod(step, self.steps_per_epoch)
@@ -282,7 +283,7 @@ class KeyedBatchSampler:
         return [(epoch, i) for i in perm[pos * self.batch_size : (pos + 1) * self.batch_size]]
 
     def _permutation(self, epoch: int) -> list[int]:
-        if getattr(self, "_cached_epoch", None) != epoch:
+        if self._cached_epoch != epoch:
             self._cached_epoch = epoch
             self._cached_perm = keyed_permutation(self.n, self.seed, "order", epoch).tolist()
         return self._cached_perm

@@ -23,15 +23,13 @@ def state_dict_sha256(state_dict: Mapping[str, torch.Tensor]) -> str:
 
     This is ``weights_sha256`` in ``summary.json``: two runs agree here iff every tensor agrees
     bit for bit (given equal shapes and dtypes, which the config fixes)."""
-    h = hashlib.sha256()
-    for key in sorted(state_dict):
-        value = state_dict[key]
-        if isinstance(value, torch.Tensor):
-            h.update(tensor_bytes(value))
-    return h.hexdigest()
+    return tensors_sha256(
+        *(state_dict[k] for k in sorted(state_dict) if isinstance(state_dict[k], torch.Tensor))
+    )
 
 
 def tensors_sha256(*tensors: torch.Tensor) -> str:
+    """SHA-256 over the bytes of the tensors, in the order given."""
     h = hashlib.sha256()
     for t in tensors:
         h.update(tensor_bytes(t))
