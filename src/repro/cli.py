@@ -46,12 +46,35 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    """Compare two runs: identical bits (exit 0), or the first divergent step (exit 1)."""
+    from repro.compare import compare_dirs
+
+    if args.tolerance is not None and not args.tolerance >= 0:
+        raise ReproError(f"--tolerance {args.tolerance}: give a number >= 0 (e.g. 1e-3).")
+    result = compare_dirs(args.run_a, args.run_b, args.tolerance)
+    print(result.text())
+    return result.exit_code
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="repro", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("digest", help=cmd_digest.__doc__)
     p.add_argument("path", help="checkpoint file, or a run directory holding checkpoint.pt")
     p.set_defaults(func=cmd_digest)
+    p = sub.add_parser("compare", help=cmd_compare.__doc__, description=cmd_compare.__doc__)
+    p.add_argument("run_a", help="run directory (holds trace.jsonl, env.json)")
+    p.add_argument("run_b", help="run directory to compare with")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        metavar="RTOL",
+        help="for runs that cannot be bit-equal (other GPU, torch): report the largest "
+        "loss-curve and final-metric deviation; exit 0 when all are within RTOL (relative; "
+        "absolute for accuracy)",
+    )
+    p.set_defaults(func=cmd_compare)
     p = sub.add_parser("env", help=cmd_env.__doc__)
     p.set_defaults(func=cmd_env)
     return parser

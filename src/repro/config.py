@@ -117,6 +117,8 @@ class TrainerConfig:
     log_every: int = 10
     progress: bool = True
     checkpoint_name: str = "checkpoint.pt"
+    trace: bool = True  # write trace.jsonl (repro compare reads it)
+    trace_every: int = 50  # digest every state-dict tensor every N steps (0: first/last only)
 
 
 @dataclass
@@ -200,6 +202,8 @@ def validate(cfg: DictConfig) -> None:
     ):
         if t[key] < 1:
             _fail(f"trainer.{key}", t[key], "an integer >= 1")
+    if t.trace_every < 0:
+        _fail("trainer.trace_every", t.trace_every, "an integer >= 0 (0: initial and final only)")
     if t.batch_size % t.micro_batch_size != 0:
         raise ConfigError(
             f"config error: trainer.batch_size={t.batch_size} is not divisible by "

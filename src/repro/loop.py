@@ -32,7 +32,15 @@ from repro.determinism import apply_determinism
 from repro.errors import ConfigError, ReproError
 from repro.progress import Progress
 from repro.rng import derive_seed, seed_forward
-from repro.trace import environment, state_dict_sha256
+from repro.trace import (
+    ENV_FILE,
+    TRACE_FILE,
+    TraceWriter,
+    run_fingerprint,
+    state_dict_sha256,
+    state_digests,
+    tensors_sha256,
+)
 
 log = logging.getLogger("repro")
 T = TypeVar("T")
@@ -202,8 +210,16 @@ class CsvLog:
         self.file.close()
 
 
-def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    """Run one training job into ``run_dir`` and return its summary."""
+def train(
+    cfg: DictConfig,
+    run_dir: Path,
+    *,
+    after_step: Callable[[int, nn.Module], None] | None = None,
+) -> dict[str, Any]:
+    """Run one training job into ``run_dir`` and return its summary.
+
+    ``after_step(step, model)``, if given, is called after each optimizer step (1-based), before
+    that step's digests are taken: a hook for instrumentation and for tests."""
     t_start = time.perf_counter()
     validate(cfg)
     run_dir = Path(run_dir)
@@ -213,12 +229,16 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     report = apply_determinism(cfg, device)  # layers 0-2, before model and loader exist
     report.save(run_dir)
     log.info(report.format())
+    cfg_container, cfg_hash = resolved_container(cfg), config_hash(cfg)
+    fingerprint = run_fingerprint(cfg_container, cfg_hash)  # flags read back, now in effect
+    _write_json(run_dir / ENV_FILE, fingerprint)
 
     seed, t = int(cfg.seed), cfg.trainer
+    max_steps, trace_every = int(t.max_steps), int(t.trace_every)
     splits: DataSplits = _instantiate(cfg.data, "data")
     model = build_model(cfg, splits, device)
     optimizer = build_optimizer(model, cfg.optim)
-    schedule = build_schedule(optimizer, cfg.optim, int(t.max_steps))
+    schedule = build_schedule(optimizer, cfg.optim, max_steps)
     fp16 = bool(cfg.amp.enabled) and str(cfg.amp.dtype) == "float16"
     scaler = torch.amp.GradScaler(device.type, enabled=fp16)
     amp_dtype = torch.float16 if str(cfg.amp.dtype) == "float16" else torch.bfloat16
@@ -241,13 +261,18 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     log.info(
         f"model {type(model).__name__} ({n_params:,} parameters) on {device}; "
         f"{len(splits.train)} train / {len(splits.val)} val samples; "
-        f"batch {t.batch_size} = {k_micro} x {t.micro_batch_size}; {t.max_steps} steps"
+        f"batch {t.batch_size} = {k_micro} x {t.micro_batch_size}; {max_steps} steps"
     )
 
     metrics = CsvLog(run_dir / "metrics.csv", ["step", "epoch", "loss", "grad_norm", "lr"])
     evals = CsvLog(run_dir / "eval.csv", ["step", "val_loss", "val_accuracy"])
-    pending: list[tuple[int, torch.Tensor, torch.Tensor, float]] = []
-    progress = Progress(int(t.max_steps), enabled=bool(t.progress))
+    trace = TraceWriter(run_dir / TRACE_FILE) if t.trace else None
+    if trace:
+        tensors, whole = state_digests(model.state_dict())
+        trace.write([{"step": 0, "tensors": tensors, "weights_sha256": whole}])
+    # (step, loss, grad norm, lr, extra trace fields): losses stay on the device until a flush
+    pending: list[tuple[int, torch.Tensor, torch.Tensor, float, dict[str, Any]]] = []
+    progress = Progress(max_steps, enabled=bool(t.progress))
     last_loss, val_loss, val_acc = float("nan"), float("nan"), float("nan")
 
     def flush() -> None:
@@ -255,13 +280,20 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         if not pending:
             return
         values = torch.stack(
-            [torch.stack([loss, norm.float()]) for _, loss, norm, _ in pending]
+            [torch.stack([loss, norm.float()]) for _, loss, norm, _, _ in pending]
         ).tolist()
         rows = [
             [s, (s - 1) // steps_per_epoch, v[0], v[1], lr]
-            for (s, _, _, lr), v in zip(pending, values, strict=True)
+            for (s, _, _, lr, _), v in zip(pending, values, strict=True)
         ]
         metrics.write(rows)
+        if trace:
+            trace.write(
+                [
+                    {"step": s, "epoch": e, "loss": loss, "grad_norm": norm, "lr": lr, **extra}
+                    for (s, e, loss, norm, lr), (*_, extra) in zip(rows, pending, strict=True)
+                ]
+            )
         last_loss = rows[-1][2]
         pending.clear()
 
@@ -269,8 +301,19 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     batches = iter(loader)
     t_loop = time.perf_counter()
     try:
-        for step in range(int(t.max_steps)):
-            micro = [normalize(*next(batches)) for _ in range(k_micro)]
+        for step in range(max_steps):
+            done = step + 1
+            traced = trace is not None and (
+                done == 1 or done == max_steps or (trace_every and done % trace_every == 0)
+            )
+            raw = [next(batches) for _ in range(k_micro)]
+            extra: dict[str, Any] = {}
+            if traced:
+                extra["batch"] = {
+                    "inputs": tensors_sha256(*(images for images, _ in raw)),
+                    "labels": tensors_sha256(*(labels for _, labels in raw)),
+                }
+            micro = [normalize(*b) for b in raw]
             lr = schedule.get_last_lr()[0]
             loss, grad_norm = train_step(
                 model,
@@ -283,31 +326,39 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 autocast=autocast,
             )
             schedule.step()
-            done = step + 1
-            pending.append((done, loss, grad_norm, lr))
-            if done % int(t.log_every) == 0 or done == int(t.max_steps):
-                flush()
-                progress.update(done, loss=f"{last_loss:.4f}")
-            if done % int(t.eval_every) == 0 or done == int(t.max_steps):
-                flush()
+            if after_step is not None:
+                after_step(done, model)
+            if traced and (done == max_steps or (trace_every and done % trace_every == 0)):
+                extra["tensors"], extra["weights_sha256"] = state_digests(model.state_dict())
+            if done == max_steps:
+                extra["final"] = True
+            pending.append((done, loss, grad_norm, lr, extra))
+            if done % int(t.eval_every) == 0 or done == max_steps:
                 val_loss, val_acc = evaluate(
                     model, splits, normalize, int(t.eval_batch_size), autocast
                 )
+                extra["eval"] = {"val_loss": val_loss, "val_accuracy": val_acc}
+                flush()
                 evals.write([[done, val_loss, val_acc]])
                 progress.close()
                 log.info(
-                    f"step {done}/{t.max_steps}  loss {last_loss:.4f}  "
+                    f"step {done}/{max_steps}  loss {last_loss:.4f}  "
                     f"val_loss {val_loss:.4f}  val_acc {val_acc:.4f}"
                 )
+            elif done % int(t.log_every) == 0:
+                flush()
+                progress.update(done, loss=f"{last_loss:.4f}")
     finally:
         progress.close()
         metrics.close()
         evals.close()
+        if trace:
+            trace.close()
     loop_seconds = time.perf_counter() - t_loop
 
     state = model.state_dict()
     weights = state_dict_sha256(state)
-    env, cfg_hash = environment(), config_hash(cfg)
+    env = fingerprint["environment"]
     save_checkpoint(
         run_dir / str(t.checkpoint_name),
         {
@@ -315,8 +366,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             "optimizer": optimizer.state_dict(),
             "schedule": schedule.state_dict(),
             "scaler": scaler.state_dict(),
-            "step": int(t.max_steps),
-            "config": resolved_container(cfg),
+            "step": max_steps,
+            "config": cfg_container,
             "config_hash": cfg_hash,
             "weights_sha256": weights,
             "environment": env,
@@ -324,7 +375,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     )
     summary = {
         "weights_sha256": weights,
-        "steps": int(t.max_steps),
+        "steps": max_steps,
         "final_loss": last_loss,
         "val_loss": val_loss,
         "val_accuracy": val_acc,
@@ -335,15 +386,17 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "num_workers": int(cfg.loader.num_workers),
         "config_hash": cfg_hash,
         "run_dir": str(run_dir),
-        "images_per_second": int(t.max_steps) * int(t.batch_size) / loop_seconds,
+        "images_per_second": max_steps * int(t.batch_size) / loop_seconds,
         "wall_seconds": time.perf_counter() - t_start,
         "environment": env,
     }
-    atomic_write(
-        run_dir / "summary.json", lambda f: f.write((json.dumps(summary, indent=2) + "\n").encode())
-    )
+    _write_json(run_dir / "summary.json", summary)
     log.info(
         f"done: {summary['steps']} steps, final loss {last_loss:.4f}, val accuracy {val_acc:.4f}\n"
         f"  run dir         {run_dir}\n  weights sha256  {weights}"
     )
     return summary
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    atomic_write(path, lambda f: f.write((json.dumps(obj, indent=2) + "\n").encode()))
