@@ -57,6 +57,19 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Find the modules of the configured model that are nondeterministic on this device."""
+    from repro.config import compose
+    from repro.doctor import run_doctor
+
+    if args.repeats < 2:
+        raise ReproError(f"--repeats {args.repeats}: give 2 or more.")
+    cfg = compose(args.overrides, Path(args.config_dir) if args.config_dir else None)
+    report = run_doctor(cfg, repeats=args.repeats, log=lambda m: print(m, file=sys.stderr))
+    print(report.format())
+    return 0 if report.clean else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="repro", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -75,6 +88,17 @@ def build_parser() -> argparse.ArgumentParser:
         "absolute for accuracy)",
     )
     p.set_defaults(func=cmd_compare)
+    p = sub.add_parser(
+        "doctor",
+        help=cmd_doctor.__doc__,
+        description=cmd_doctor.__doc__ + " Exit 0 when strict mode is clean, 1 when not.",
+    )
+    p.add_argument(
+        "overrides", nargs="*", help="the same overrides as train.py, e.g. model=resnet18"
+    )
+    p.add_argument("--repeats", type=int, default=4, help="forward+backward repeats (default 4)")
+    p.add_argument("--config-dir", help="the conf/ directory (default: ./conf, else the project's)")
+    p.set_defaults(func=cmd_doctor)
     p = sub.add_parser("env", help=cmd_env.__doc__)
     p.set_defaults(func=cmd_env)
     return parser

@@ -383,3 +383,35 @@ def config_hash(cfg: DictConfig) -> str:
     """SHA-256 of the resolved config (canonical JSON, sorted keys)."""
     blob = json.dumps(resolved_container(cfg), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def find_conf_dir() -> Path:
+    """``./conf`` when it holds ``train.yaml``, else the ``conf/`` next to this checkout's
+    ``src/`` (an editable install)."""
+    for candidate in (Path.cwd() / "conf", Path(__file__).resolve().parents[2] / "conf"):
+        if (candidate / "train.yaml").is_file():
+            return candidate
+    raise ConfigError(
+        "no conf/train.yaml found in the current directory or next to the repro package; "
+        "run from the project root or pass --config-dir."
+    )
+
+
+def compose(overrides: list[str], conf_dir: Path | None = None) -> DictConfig:
+    """Compose ``train.yaml`` with command-line style overrides, as ``train.py`` would, and
+    validate it: for tools that take the training overrides (``repro doctor``)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    conf_dir = Path(conf_dir) if conf_dir else find_conf_dir()
+    check_overrides(overrides, conf_dir)
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir.resolve()), version_base="1.3"):
+            cfg = hydra_compose("train", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"config error: {first}") from None
+    validate(cfg)
+    return cfg

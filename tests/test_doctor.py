@@ -1,0 +1,65 @@
+"""`repro doctor` names the nondeterministic module, and only it."""
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import CONF_DIR, ROOT, user_env
+from repro.config import compose
+from repro.doctor import run_doctor
+
+SMALL = ["data.train_size=256", "data.val_size=64", "device=cpu"]
+
+
+def doctor(*overrides, repeats=3):
+    cfg = compose([*SMALL, *overrides], CONF_DIR)
+    return run_doctor(cfg, repeats=repeats, log=lambda m: None)
+
+
+@pytest.mark.parametrize("model", ["JitterNet", "ShuffledSumNet"])
+def test_names_the_module_that_differs_between_repeats(model):
+    report = doctor(f"model._target_=nondeterministic_models.{model}")
+    for findings in (report.fast, report.strict):  # neither is an op strict mode can fix
+        assert [f.module for f in findings] == ["suspect"], report.format()
+        assert findings[0].where == "forward"
+    assert not report.clean
+    text = report.format()
+    assert "suspect" in text and "NOT deterministic under strict mode" in text
+    assert "features" not in text and "head" not in text  # downstream modules are not blamed
+
+
+def test_names_the_op_without_a_deterministic_kernel_at_the_innermost_module():
+    report = doctor("model._target_=nondeterministic_models.UnpoolNet")
+    assert [(f.module, f.kind) for f in report.strict_ops] == [("suspect.unpool", "MaxUnpool2d")]
+    assert "max_unpool" in report.strict_ops[0].where
+    assert report.fast == [] and report.strict == []  # the CPU kernel itself repeats
+    assert not report.clean
+    assert "replace each op" in report.format()
+
+
+def test_the_default_model_is_clean_and_the_command_says_so(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "repro", "doctor", *SMALL, "--repeats", "2"],
+        cwd=ROOT,
+        env=user_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "no module is nondeterministic" in out.stdout
+    assert "strict mode is clean" in out.stdout
+    assert "not checked alone" not in out.stdout  # every module was re-run alone
+
+
+def test_bad_overrides_are_one_line(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "repro", "doctor", "model=nope"],
+        cwd=tmp_path,
+        env=user_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2
+    assert "model=nope is not an option" in out.stderr
+    assert "Traceback" not in out.stderr
