@@ -35,7 +35,7 @@ def test_names_the_op_without_a_deterministic_kernel_at_the_innermost_module():
     assert "max_unpool" in report.strict_ops[0].where
     assert report.fast == [] and report.strict == []  # the CPU kernel itself repeats
     assert not report.clean
-    assert "replace each op" in report.format()
+    assert "replace each with a deterministic equivalent" in report.format()
 
 
 def test_the_default_model_is_clean_and_the_command_says_so(tmp_path):
