@@ -1,0 +1,166 @@
+"""The trace every run writes, and `repro compare`: identical, or where and how much."""
+
+import csv
+import json
+import math
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import CONF_DIR, SHORT, run_train, user_env
+from repro.compare import compare_dirs
+from repro.config import compose
+from repro.loop import train
+
+TRACED = [*SHORT, "trainer.trace_every=10"]
+
+
+def repro(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "repro", *args], capture_output=True, text=True, env=user_env()
+    )
+
+
+def bits(x: float) -> bytes:
+    return struct.pack(">d", x)
+
+
+def trace(run_dir):
+    return [json.loads(line) for line in (run_dir / "trace.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("runs")
+    return {
+        "a": run_train(base / "a", *TRACED),
+        "multi": run_train(base / "multi", *TRACED, "loader=multi", "loader.num_workers=2"),
+        "seed1": run_train(base / "seed1", *TRACED, "seed=1"),
+    }
+
+
+def test_trace_holds_the_exact_values_and_digests(runs):
+    run = runs["a"]
+    records = trace(run.dir)
+    assert [r["step"] for r in records] == list(range(41))  # step 0: the initial weights
+    with open(run.dir / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    for r, row in zip(records[1:], rows, strict=True):  # exact: same IEEE bits as metrics.csv
+        assert bits(r["loss"]) == bits(float(row["loss"]))
+        assert bits(r["grad_norm"]) == bits(float(row["grad_norm"]))
+    assert set(records[0]["tensors"]) == set(
+        torch.load(run.dir / "checkpoint.pt", weights_only=True)["model"]
+    )
+    assert "batch" in records[1] and {"inputs", "labels"} <= records[1]["batch"].keys()
+    assert [r["step"] for r in records if "tensors" in r] == [0, 10, 20, 30, 40]
+    assert records[-1]["final"] is True
+    assert records[-1]["weights_sha256"] == run.summary["weights_sha256"]
+    assert records[-1]["eval"]["val_accuracy"] == run.summary["val_accuracy"]
+
+
+def test_env_json_records_versions_flags_variables_git_and_config(runs):
+    run = runs["a"]
+    env = json.loads((run.dir / "env.json").read_text())
+    assert env["environment"]["torch"] == torch.__version__
+    assert {"python", "numpy", "hydra", "cuda", "cudnn", "gpu", "cpu"} <= env["environment"].keys()
+    assert env["flags"]["deterministic_algorithms"] is True  # read back, strict
+    assert env["flags"]["intra_op_threads"] == 2
+    assert env["env_vars"]["PYTHONHASHSEED"] == "0"
+    assert "CUBLAS_WORKSPACE_CONFIG" in env["env_vars"]
+    assert {"commit", "dirty", "diff_sha256"} <= env["git"].keys()
+    assert env["config_hash"] == run.summary["config_hash"]
+    assert env["config"]["seed"] == 0
+
+
+def test_identical_runs_compare_equal_and_name_the_harmless_differences(runs):
+    out = repro("compare", str(runs["a"].dir), str(runs["multi"].dir))
+    assert out.returncode == 0, out.stdout
+    first = out.stdout.splitlines()[0]
+    assert first == f"identical: 40 steps, weights {runs['a'].summary['weights_sha256']}"
+    assert "loader.num_workers: 0 vs 2" in out.stdout
+
+
+def test_another_seed_differs_at_the_initial_weights(runs):
+    out = repro("compare", str(runs["a"].dir), str(runs["seed1"].dir))
+    assert out.returncode == 1
+    lines = out.stdout.splitlines()
+    assert lines[0] == "differ: first divergence at initial weights"
+    assert lines[1].startswith("  first: tensor features.0.0.weight")
+    assert "seed: 0 vs 1" in out.stdout
+    assert "final weights: max abs diff" in out.stdout
+
+
+def test_a_perturbed_parameter_is_found_at_its_step(tmp_path):
+    """In-process runs (determinism=warn: no re-exec here); one nudges a parameter by one
+    ulp after step 7. Compare names step 7 and that tensor, not a later symptom."""
+    overrides = [*SHORT, "trainer.max_steps=12", "trainer.trace_every=1", "determinism=warn"]
+    cfg = compose(overrides, CONF_DIR)
+    cfg.trainer.progress = False
+
+    def nudge(step, model):
+        if step == 7:
+            with torch.no_grad():
+                b = model.head.bias
+                b[3] = torch.nextafter(b[3], torch.tensor(math.inf))
+
+    train(cfg, tmp_path / "straight")
+    train(cfg, tmp_path / "nudged", after_step=nudge)
+    result = compare_dirs(tmp_path / "straight", tmp_path / "nudged")
+    assert not result.identical
+    assert result.lines[0] == "differ: first divergence at step 7"
+    assert result.lines[1] == "  first: tensor head.bias"
+    assert "all tensors last agreed at step 6" in result.text()
+    assert "a nondeterministic op? try `repro doctor`" in result.text()  # same config and env
+
+
+def test_environment_differences_are_listed(runs, tmp_path):
+    copy = shutil.copytree(runs["a"].dir, tmp_path / "elsewhere")
+    env = json.loads((copy / "env.json").read_text())
+    env["environment"].update(gpu="NVIDIA A100-SXM4-80GB", torch="2.10.0")
+    (copy / "env.json").write_text(json.dumps(env))
+    out = repro("compare", str(runs["a"].dir), str(copy))
+    assert out.returncode == 0  # the bits agree; the listing says what else does not
+    assert "environment.gpu: None vs NVIDIA A100-SXM4-80GB" in out.stdout
+    assert f"environment.torch: {torch.__version__} vs 2.10.0" in out.stdout
+
+
+def test_runs_of_different_lengths_compare_over_the_common_prefix(runs, tmp_path):
+    copy = shutil.copytree(runs["a"].dir, tmp_path / "short")
+    lines = (copy / "trace.jsonl").read_text().splitlines(keepends=True)
+    (copy / "trace.jsonl").write_text("".join(lines[:21]) + lines[21][:30])  # killed mid-line
+    result = compare_dirs(runs["a"].dir, copy)
+    assert result.identical
+    assert result.lines[0].startswith("identical: 20 steps, weights ")
+    assert "common prefix" in result.lines[0]
+    assert "last line cut short" in result.text()
+
+
+def test_tolerance_mode_reports_the_largest_deviation(runs):
+    a, b = str(runs["a"].dir), str(runs["seed1"].dir)
+    loose = repro("compare", a, b, "--tolerance", "10")
+    assert loose.returncode == 0 and loose.stdout.startswith("within tolerance 10")
+    assert "loss curve (40 steps): largest deviation at step" in loose.stdout
+    assert "val_accuracy (step 40)" in loose.stdout
+    tight = repro("compare", a, b, "--tolerance", "1e-6")
+    assert tight.returncode == 1 and tight.stdout.startswith("outside tolerance 1e-06")
+
+
+def test_missing_or_damaged_runs_are_one_clear_line(runs, tmp_path):
+    missing = repro("compare", str(tmp_path / "nope"), str(runs["a"].dir))
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == f"repro compare: {tmp_path / 'nope'}: no such run directory."
+    (tmp_path / "empty").mkdir()
+    empty = repro("compare", str(runs["a"].dir), str(tmp_path / "empty"))
+    assert empty.returncode == 2 and "no trace.jsonl" in empty.stderr
+    damaged = shutil.copytree(runs["a"].dir, tmp_path / "damaged")
+    lines = (damaged / "trace.jsonl").read_text().splitlines(keepends=True)
+    lines[5] = "{not json\n"
+    (damaged / "trace.jsonl").write_text("".join(lines))
+    bad = repro("compare", str(runs["a"].dir), str(damaged))
+    assert bad.returncode == 2 and "trace.jsonl:6: not a trace record" in bad.stderr
+    for out in (missing, empty, bad):
+        assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
