@@ -11,7 +11,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test test-cuda lint format clean distclean
+.PHONY: help install train test test-cuda verify lint format clean distclean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -41,6 +41,9 @@ test: install ## run the test suite (CUDA tests skip without a GPU)
 
 test-cuda: install ## run only the CUDA-marked tests (on a GPU machine)
 	$(PY) -m pytest -m cuda $(PYTEST_ARGS)
+
+verify: install ## train twice and with 0 vs 2 loader workers, compare bits: PASS/FAIL (ARGS="key=value ...")
+	$(PY) scripts/verify.py $(if $(ARGS),-- $(ARGS))
 
 lint: install ## ruff: lint and check formatting
 	$(PY) -m ruff check src tests scripts train.py
