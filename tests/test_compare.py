@@ -120,11 +120,12 @@ def test_a_perturbed_parameter_is_found_at_its_step(tmp_path):
 def test_environment_differences_are_listed(runs, tmp_path):
     copy = shutil.copytree(runs["a"].dir, tmp_path / "elsewhere")
     env = json.loads((copy / "env.json").read_text())
+    gpu = env["environment"]["gpu"]
     env["environment"].update(gpu="NVIDIA A100-SXM4-80GB", torch="2.10.0")
     (copy / "env.json").write_text(json.dumps(env))
     out = repro("compare", str(runs["a"].dir), str(copy))
     assert out.returncode == 0  # the bits agree; the listing says what else does not
-    assert "environment.gpu: None vs NVIDIA A100-SXM4-80GB" in out.stdout
+    assert f"environment.gpu: {gpu} vs NVIDIA A100-SXM4-80GB" in out.stdout
     assert f"environment.torch: {torch.__version__} vs 2.10.0" in out.stdout
 
 

@@ -7,7 +7,10 @@ ResNet-18-size net, strict does not) is `scripts/drift_demo.py`, its output in b
 import pytest
 import torch
 
-from conftest import SHORT, cuda
+from conftest import CONF_DIR, SHORT, cuda
+from repro.compare import compare_dirs
+from repro.config import compose
+from repro.doctor import run_doctor
 
 pytestmark = [pytest.mark.cuda, cuda]
 
@@ -24,6 +27,10 @@ def test_strict_on_cuda_twice_and_with_workers_is_identical(train_run):
     )
     assert a.losses == b.losses == multi.losses
     assert a.entry("CUBLAS_WORKSPACE_CONFIG")["verified"] is True
+    for other in (b, multi):
+        result = compare_dirs(a.dir, other.dir)
+        print(result.text())
+        assert result.identical and result.lines[0].startswith("identical: 40 steps")
 
 
 def test_strict_bf16_on_cuda_twice_is_identical(train_run):
@@ -69,3 +76,23 @@ def test_deterministic_mode_makes_index_add_repeatable():
     fast = distinct(False)
     print(f"index_add_ distinct results in 5 repeats: fast {fast}, deterministic 1 expected")
     assert distinct(True) == 1
+
+
+def _doctor(*overrides):
+    cfg = compose(["device=cuda", "data.train_size=256", "data.val_size=64", *overrides], CONF_DIR)
+    report = run_doctor(cfg, repeats=4, log=lambda m: None)
+    print(report.format())
+    return report
+
+
+def test_doctor_names_index_add_in_fast_mode_and_strict_mode_fixes_it():
+    report = _doctor("model._target_=nondeterministic_models.IndexAddNet")
+    assert [(f.module, f.where) for f in report.fast] == [("suspect", "forward")]
+    assert report.strict_ops == [] and report.strict == []  # a deterministic kernel in strict
+    assert report.clean
+
+
+def test_doctor_finds_the_default_model_clean_in_strict_mode_on_cuda():
+    report = _doctor()
+    assert report.strict_ops == [] and report.strict == []
+    assert report.clean
