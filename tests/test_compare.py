@@ -105,7 +105,7 @@ def test_a_perturbed_parameter_is_found_at_its_step(tmp_path):
         if step == 7:
             with torch.no_grad():
                 b = model.head.bias
-                b[3] = torch.nextafter(b[3], torch.tensor(math.inf))
+                b[3] = torch.nextafter(b[3], torch.tensor(math.inf, device=b.device))
 
     train(cfg, tmp_path / "straight")
     train(cfg, tmp_path / "nudged", after_step=nudge)

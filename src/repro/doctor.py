@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from repro.data import DataSplits, DeviceNormalizer, make_train_loader
-from repro.loop import _instantiate, build_model, resolve_device
+from repro.loop import build_model, instantiate_group, resolve_device
 from repro.rng import seed_forward, seed_global_rngs
 from repro.trace import tensor_bytes
 
@@ -381,7 +381,7 @@ def run_doctor(cfg: DictConfig, repeats: int = 4, log: Callable[[str], None] = p
     device = resolve_device(str(cfg.device))
     seed = int(cfg.seed)
     seed_global_rngs(seed)
-    splits: DataSplits = _instantiate(cfg.data, "data")
+    splits: DataSplits = instantiate_group(cfg.data, "data")
     model = build_model(cfg, splits, device)
     model.train()
     images, labels = first_batch(cfg, splits, device)

@@ -67,7 +67,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _instantiate(node: DictConfig, group: str, **kwargs: Any) -> Any:
+def instantiate_group(node: DictConfig, group: str, **kwargs: Any) -> Any:
     try:
         return instantiate(node, **kwargs)
     except InstantiationException as err:
@@ -86,7 +86,7 @@ def build_model(cfg: DictConfig, splits: DataSplits, device: torch.device) -> nn
     the initial weights are the same on every device, then move it."""
     with torch.random.fork_rng(devices=[]):  # CPU generator only; restored afterwards
         torch.default_generator.manual_seed(derive_seed(int(cfg.seed), "init"))
-        model = _instantiate(
+        model = instantiate_group(
             cfg.model, "model", num_classes=splits.num_classes, in_channels=splits.in_channels
         )
     return model.to(device)
@@ -235,7 +235,7 @@ def train(
 
     seed, t = int(cfg.seed), cfg.trainer
     max_steps, trace_every = int(t.max_steps), int(t.trace_every)
-    splits: DataSplits = _instantiate(cfg.data, "data")
+    splits: DataSplits = instantiate_group(cfg.data, "data")
     model = build_model(cfg, splits, device)
     optimizer = build_optimizer(model, cfg.optim)
     schedule = build_schedule(optimizer, cfg.optim, max_steps)
