@@ -26,7 +26,7 @@ def test_digest_errors_are_one_line(tmp_path):
     bad = tmp_path / "checkpoint.pt"
     bad.write_bytes(b"not a checkpoint")
     corrupt = repro("digest", str(bad))
-    assert corrupt.returncode == 2 and "not a readable repro checkpoint" in corrupt.stderr
+    assert corrupt.returncode == 2 and "not a readable checkpoint" in corrupt.stderr
     assert "Traceback" not in missing.stderr + corrupt.stderr
 
 

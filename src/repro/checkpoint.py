@@ -1,16 +1,36 @@
-"""Checkpoints: written atomically, loaded with ``weights_only=True``."""
+"""Checkpoints (DESIGN.md, principle 6): atomic, checksummed, rotated, loaded safely.
+
+A checkpoint is a ``torch.save`` file plus a ``sha256sum``-style sidecar
+(``step-00000200.pt.sha256``, checkable with ``sha256sum -c``). The file is written through a
+temporary file (fsync, rename), then the sidecar the same way: a crash at any moment leaves
+the previous checkpoints intact, and a checkpoint without its sidecar — an interrupted write
+— is never trusted. Loading reads the bytes once, checks them against the sidecar, then
+unpickles with ``weights_only=True``: plain data only, so a file carrying code is refused
+without running it.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
+import pickle
+import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
+from repro.errors import CheckpointError
 
-def atomic_write(path: Path, write: Any) -> None:
+CHECKPOINT_DIR = "checkpoints"
+LAST_GOOD = "last_good"  # names the newest checkpoint read back and verified after writing
+_NAME = re.compile(r"step-(\d{8})\.pt")
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> None:
     """Write through a temporary file in the same folder, fsync it, then rename over ``path``.
 
     A crash at any moment leaves either the old file or the new one, never half of one."""
@@ -40,9 +60,183 @@ def _umask() -> int:
     return mask
 
 
-def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    atomic_write(path, lambda f: torch.save(state, f))
+def sidecar(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
 
 
-def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    return torch.load(path, map_location=map_location, weights_only=True)
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / CHECKPOINT_DIR / f"step-{step:08d}.pt"
+
+
+def save_checkpoint(path: Path, state: dict[str, Any]) -> str:
+    """Write ``state`` and its checksum sidecar atomically; return the SHA-256."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    data = buf.getvalue()
+    digest = hashlib.sha256(data).hexdigest()
+    path = Path(path)
+    atomic_write(path, lambda f: f.write(data))
+    atomic_write(sidecar(path), lambda f: f.write(f"{digest}  {path.name}\n".encode()))
+    return digest
+
+
+def check_file(path: Path) -> tuple[bytes | None, str | None]:
+    """The file's bytes when they match the sidecar, else ``(None, what is wrong)``."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        return None, f"unreadable ({err.strerror})"
+    try:
+        expected = sidecar(path).read_text().split()[0]
+    except (OSError, IndexError):
+        return None, "no checksum file (the write was interrupted)"
+    if hashlib.sha256(data).hexdigest() != expected:
+        return None, "checksum mismatch (truncated or corrupted)"
+    return data, None
+
+
+def load_checkpoint(
+    path: Path, map_location: str | torch.device = "cpu", *, require_checksum: bool = True
+) -> dict[str, Any]:
+    """Verify and load a checkpoint; :class:`CheckpointError` (one line) when it is damaged,
+    not a checkpoint, or would run code. ``require_checksum=False`` also reads a file with no
+    sidecar (but never one whose sidecar disagrees)."""
+    path = Path(path)
+    data, problem = check_file(path)
+    if data is None:
+        if require_checksum or sidecar(path).exists() or not path.is_file():
+            raise CheckpointError(f"{path}: {problem}; use an earlier checkpoint.")
+        data = path.read_bytes()
+    try:
+        state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(
+            f"{path}: refused: it holds Python objects that loading would run "
+            f"(weights_only=True stopped at: {first[:160]}); do not load it unless you trust "
+            "its source."
+        ) from None
+    except Exception as err:
+        raise CheckpointError(
+            f"{path}: not a readable checkpoint ({type(err).__name__}); use another file."
+        ) from None
+    if not isinstance(state, dict) or "model" not in state:
+        raise CheckpointError(f"{path}: not a repro checkpoint (no 'model' entry).")
+    return state
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of the run's periodic checkpoints, newest first."""
+    folder = Path(run_dir) / CHECKPOINT_DIR
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.fullmatch(p.name))]
+    return sorted(found, reverse=True)
+
+
+def mark_good(path: Path) -> bool:
+    """Read a just-written checkpoint back; if it verifies, record it as the last good one."""
+    data, _ = check_file(path)
+    if data is None:
+        return False
+    atomic_write(path.parent / LAST_GOOD, lambda f: f.write(path.name.encode() + b"\n"))
+    return True
+
+
+def rotate(run_dir: Path, keep: int) -> list[Path]:
+    """Delete periodic checkpoints beyond the newest ``keep``, never the last good one.
+    Returns what was deleted."""
+    folder = Path(run_dir) / CHECKPOINT_DIR
+    try:
+        last_good = (folder / LAST_GOOD).read_text().strip()
+    except OSError:
+        last_good = None
+    deleted = []
+    for _, path in list_checkpoints(run_dir)[keep:]:
+        if path.name == last_good:
+            continue
+        path.unlink(missing_ok=True)
+        sidecar(path).unlink(missing_ok=True)
+        deleted.append(path)
+    return deleted
+
+
+def remove_partial_writes(run_dir: Path) -> list[Path]:
+    """Temporary files left by a write that was killed before its rename."""
+    folder = Path(run_dir) / CHECKPOINT_DIR
+    leftovers = list(folder.glob(".*.tmp")) if folder.is_dir() else []
+    for p in leftovers:
+        p.unlink(missing_ok=True)
+    return leftovers
+
+
+# What must be equal for a resumed run to give the uninterrupted run's bits.
+RELEVANT_CONFIG = (
+    "seed",
+    "model",
+    "data",
+    "optim",
+    "amp",
+    "determinism",
+    "trainer.batch_size",
+    "trainer.micro_batch_size",
+    "trainer.max_steps",
+)
+RELEVANT_ENVIRONMENT = ("torch", "cuda", "cudnn", "gpu", "gpu_sm_count")
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+def mismatches(
+    state: dict[str, Any], config: dict[str, Any], environment: dict[str, Any]
+) -> list[str]:
+    """``key: checkpoint vs now`` for each determinism-relevant config or environment entry
+    that differs between a checkpoint and this run."""
+    old, new = _flatten(state.get("config") or {}), _flatten(config)
+    out = []
+    for key in sorted(set(old) | set(new)):
+        if any(key == r or key.startswith(r + ".") for r in RELEVANT_CONFIG):
+            a, b = old.get(key, "(absent)"), new.get(key, "(absent)")
+            if a != b:
+                out.append(f"{key}: {a} (checkpoint) vs {b} (now)")
+    old_env = state.get("environment") or {}
+    for key in RELEVANT_ENVIRONMENT:
+        a, b = old_env.get(key), environment.get(key)
+        if a != b:
+            out.append(f"environment.{key}: {a} (checkpoint) vs {b} (now)")
+    return out
+
+
+def find_resume_point(
+    source: Path, log: Callable[[str], None]
+) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint to resume from: ``source`` itself when it is a file (it must be good),
+    else the newest good one of the run directory ``source``, saying why any newer one was
+    passed over. ``None`` when the directory holds no checkpoint at all."""
+    source = Path(source)
+    if source.is_file():
+        return source, load_checkpoint(source)
+    candidates = list_checkpoints(source)
+    if not candidates:
+        return None
+    problems = []
+    for _, path in candidates:
+        try:
+            state = load_checkpoint(path)
+        except CheckpointError as err:
+            problems.append(str(err))
+            log(f"resume: {err} Falling back to the previous checkpoint.")
+            continue
+        return path, state
+    raise CheckpointError(
+        f"{source / CHECKPOINT_DIR}: no usable checkpoint ({'; '.join(problems)}); start a new "
+        "run (another hydra.run.dir) or restore a checkpoint from a backup."
+    )

@@ -117,6 +117,10 @@ class TrainerConfig:
     log_every: int = 10
     progress: bool = True
     checkpoint_name: str = "checkpoint.pt"
+    checkpoint_every: int = 100  # also at the end; 0: only at the end
+    keep_checkpoints: int = 2  # the newest N periodic checkpoints, plus the last good one
+    resume: str | None = None  # auto (this run directory) | a checkpoint file | a run directory
+    resume_force: bool = False  # resume even when config/environment differ (recorded)
     trace: bool = True  # write trace.jsonl (repro compare reads it)
     trace_every: int = 50  # digest every state-dict tensor every N steps (0: first/last only)
 
@@ -202,6 +206,21 @@ def validate(cfg: DictConfig) -> None:
     ):
         if t[key] < 1:
             _fail(f"trainer.{key}", t[key], "an integer >= 1")
+    if t.checkpoint_every < 0:
+        _fail(
+            "trainer.checkpoint_every", t.checkpoint_every, "an integer >= 0 (0: at the end only)"
+        )
+    if t.keep_checkpoints < 1:
+        _fail("trainer.keep_checkpoints", t.keep_checkpoints, "an integer >= 1")
+    if (
+        t.resume is not None
+        and t.resume != "auto"
+        and not Path(str(t.resume)).expanduser().exists()
+    ):
+        raise ConfigError(
+            f"config error: trainer.resume={t.resume!r}: no such checkpoint file or run "
+            "directory; give one, or trainer.resume=auto to resume this run directory."
+        )
     if t.trace_every < 0:
         _fail("trainer.trace_every", t.trace_every, "an integer >= 0 (0: initial and final only)")
     if t.batch_size % t.micro_batch_size != 0:

@@ -12,6 +12,7 @@ the device (:func:`to_device`), where the conversion is cheap and the transfer 4
 from __future__ import annotations
 
 import math
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -297,6 +298,15 @@ class KeyedBatchSampler:
             step += 1
 
 
+def _init_worker(worker_id: int) -> None:
+    """Seed the worker's global RNGs (``repro.rng.worker_init_fn``) and leave pre-emption
+    signals to the main process: a cluster sends SIGTERM to every process of the job, and the
+    main process must be able to finish its step and write a checkpoint before the workers go."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+    worker_init_fn(worker_id)
+
+
 def make_train_loader(
     splits: DataSplits,
     seed: int,
@@ -320,7 +330,7 @@ def make_train_loader(
         ),
         num_workers=workers,
         pin_memory=pin_memory,
-        worker_init_fn=worker_init_fn,
+        worker_init_fn=_init_worker,
         # the base seed of the workers' torch/random state: keyed, not the global RNG's
         generator=keyed_generator(seed, "loader"),
         **extra,

@@ -36,3 +36,20 @@ def exit_with(error: ReproError) -> NoReturn:
     callback into warnings and goes on, but lets ``SystemExit`` through."""
     print(f"error: {error}", file=sys.stderr)
     raise SystemExit(1)
+
+
+class CheckpointError(ReproError):
+    """A checkpoint that is damaged, foreign, unsafe or missing."""
+
+
+# Exit status of a run stopped by SIGTERM/SIGUSR1 after writing its checkpoint: EX_TEMPFAIL
+# ("try again later"), so a requeue can resume it with trainer.resume=auto.
+PREEMPTED_EXIT_CODE = 75
+
+
+class Preempted(SystemExit):
+    """Raised at a step boundary after a pre-emption signal and the checkpoint it asked for."""
+
+    def __init__(self, step: int, signal_name: str) -> None:
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.step, self.signal_name = step, signal_name

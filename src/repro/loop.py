@@ -12,6 +12,9 @@ import csv
 import json
 import logging
 import math
+import shutil
+import signal
+import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -25,17 +28,29 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
 
-from repro.checkpoint import atomic_write, save_checkpoint
+from repro.checkpoint import (
+    CHECKPOINT_DIR,
+    atomic_write,
+    checkpoint_path,
+    find_resume_point,
+    mark_good,
+    mismatches,
+    remove_partial_writes,
+    rotate,
+    save_checkpoint,
+    sidecar,
+)
 from repro.config import config_hash, resolved_container, validate
 from repro.data import DataSplits, DeviceNormalizer, make_train_loader
 from repro.determinism import apply_determinism
-from repro.errors import ConfigError, ReproError
+from repro.errors import PREEMPTED_EXIT_CODE, CheckpointError, ConfigError, Preempted, ReproError
 from repro.progress import Progress
-from repro.rng import derive_seed, seed_forward
+from repro.rng import derive_seed, global_rng_states, seed_forward, set_global_rng_states
 from repro.trace import (
     ENV_FILE,
     TRACE_FILE,
     TraceWriter,
+    environment,
     run_fingerprint,
     state_dict_sha256,
     state_digests,
@@ -43,6 +58,7 @@ from repro.trace import (
 )
 
 log = logging.getLogger("repro")
+CHECKPOINT_FORMAT = "repro.checkpoint.v1"
 T = TypeVar("T")
 
 
@@ -195,12 +211,23 @@ def evaluate(
 
 
 class CsvLog:
-    """Append rows to a CSV in the run directory; floats as ``repr`` (round-trip exact)."""
+    """Append rows to a CSV in the run directory; floats as ``repr`` (round-trip exact).
 
-    def __init__(self, path: Path, fields: list[str]) -> None:
-        self.file = open(path, "w", newline="")
-        self.writer = csv.writer(self.file)
-        self.writer.writerow(fields)
+    ``resume_at=s`` keeps the rows of steps <= s already there (a resumed run) and appends."""
+
+    def __init__(self, path: Path, fields: list[str], resume_at: int | None = None) -> None:
+        if resume_at is not None and path.is_file():
+            with open(path, newline="") as f:
+                rows = [r for r in csv.reader(f)][1:]
+            kept = [r for r in rows if r and r[0].isdigit() and int(r[0]) <= resume_at]
+            self.file = open(path, "w", newline="")
+            self.writer = csv.writer(self.file)
+            self.writer.writerows([fields, *kept])
+        else:
+            self.file = open(path, "w", newline="")
+            self.writer = csv.writer(self.file)
+            self.writer.writerow(fields)
+        self.file.flush()
 
     def write(self, rows: list[list[Any]]) -> None:
         self.writer.writerows([[repr(v) if isinstance(v, float) else v for v in r] for r in rows])
@@ -208,6 +235,92 @@ class CsvLog:
 
     def close(self) -> None:
         self.file.close()
+
+
+class PreemptionSignals:
+    """SIGTERM / SIGUSR1 (a cluster's notice before it kills or requeues a job) set a flag;
+    the loop checkpoints at the next step boundary and exits with ``PREEMPTED_EXIT_CODE``."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> PreemptionSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = signal.Signals(signum).name
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _keep_trace_prefix(path: Path, step: int) -> int:
+    """Keep the records of steps <= ``step`` of a trace (a resumed run); return the last
+    step kept (less than ``step`` when records are missing)."""
+    kept: list[str] = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                break  # a line cut short by the kill
+            if record.get("step") != len(kept) or record["step"] > step:
+                break
+            kept.append(line + "\n")
+    path.write_text("".join(kept))
+    return len(kept) - 1
+
+
+def _copy_logs(source: Path, run_dir: Path) -> None:
+    """Resuming from another run's directory: start from its logs."""
+    for name in (TRACE_FILE, "metrics.csv", "eval.csv"):
+        if (source / name).is_file() and source.resolve() != run_dir.resolve():
+            shutil.copyfile(source / name, run_dir / name)
+
+
+def _refuse_to_overwrite(run_dir: Path) -> None:
+    existing = [n for n in (CHECKPOINT_DIR, TRACE_FILE, "summary.json") if (run_dir / n).exists()]
+    if existing:
+        raise ConfigError(
+            f"{run_dir} already holds a run ({', '.join(existing)}); resume it with "
+            "trainer.resume=auto, or choose another hydra.run.dir (nothing was overwritten)."
+        )
+
+
+def _resume_point(cfg: DictConfig, run_dir: Path, config: dict[str, Any], env: dict[str, Any]):
+    """(path, state, mismatches) to resume from, or None to start at step 0."""
+    t = cfg.trainer
+    if t.resume is None:
+        _refuse_to_overwrite(run_dir)
+        return None
+    source = run_dir if str(t.resume) == "auto" else Path(str(t.resume)).expanduser()
+    for leftover in remove_partial_writes(run_dir):
+        log.info(f"resume: removed {leftover.name}, a write interrupted before its rename")
+    found = find_resume_point(source, log.warning)
+    if found is None:
+        if str(t.resume) != "auto":
+            raise CheckpointError(f"{source}: holds no checkpoints/ to resume from.")
+        log.info(f"resume=auto: no checkpoint in {run_dir} yet; starting at step 0")
+        return None
+    path, state = found
+    differ = mismatches(state, config, env)
+    if differ and not t.resume_force:
+        raise CheckpointError(
+            f"{path} was written under another configuration or environment, so resuming "
+            "would not give the uninterrupted run's bits; resume with the checkpoint's "
+            "settings, or set trainer.resume_force=true to go on anyway (recorded). "
+            "Differences: " + "; ".join(differ)
+        )
+    for d in differ:
+        log.warning(f"resume_force: {d}")
+    return path, state, differ
 
 
 def train(
@@ -218,23 +331,34 @@ def train(
 ) -> dict[str, Any]:
     """Run one training job into ``run_dir`` and return its summary.
 
-    ``after_step(step, model)``, if given, is called after each optimizer step (1-based), before
-    that step's digests are taken: a hook for instrumentation and for tests."""
+    With ``trainer.resume`` set, continue from a checkpoint: the weights, trace and metrics
+    are those the uninterrupted run produces. ``after_step(step, model)``, if given, is called
+    after each optimizer step (1-based), before that step's digests are taken: a hook for
+    instrumentation and for tests."""
     t_start = time.perf_counter()
     validate(cfg)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     device = resolve_device(str(cfg.device))
+    seed, t = int(cfg.seed), cfg.trainer
+    max_steps, trace_every = int(t.max_steps), int(t.trace_every)
+    checkpoint_every, keep = int(t.checkpoint_every), int(t.keep_checkpoints)
+
+    cfg_container, cfg_hash = resolved_container(cfg), config_hash(cfg)
+    env = environment()
+    resume = _resume_point(cfg, run_dir, cfg_container, env)  # refuses before writing anything
+    start = int(resume[1]["step"]) if resume else 0
+    if start > max_steps:
+        raise CheckpointError(
+            f"{resume[0]} is at step {start}, beyond trainer.max_steps={max_steps}."
+        )
 
     report = apply_determinism(cfg, device)  # layers 0-2, before model and loader exist
     report.save(run_dir)
     log.info(report.format())
-    cfg_container, cfg_hash = resolved_container(cfg), config_hash(cfg)
     fingerprint = run_fingerprint(cfg_container, cfg_hash)  # flags read back, now in effect
-    _write_json(run_dir / ENV_FILE, fingerprint)
+    _write_json(run_dir / (ENV_FILE if not resume else f"env-resume-{start}.json"), fingerprint)
 
-    seed, t = int(cfg.seed), cfg.trainer
-    max_steps, trace_every = int(t.max_steps), int(t.trace_every)
     splits: DataSplits = instantiate_group(cfg.data, "data")
     model = build_model(cfg, splits, device)
     optimizer = build_optimizer(model, cfg.optim)
@@ -242,6 +366,19 @@ def train(
     fp16 = bool(cfg.amp.enabled) and str(cfg.amp.dtype) == "float16"
     scaler = torch.amp.GradScaler(device.type, enabled=fp16)
     amp_dtype = torch.float16 if str(cfg.amp.dtype) == "float16" else torch.bfloat16
+    resumes: list[dict[str, Any]] = []
+    if resume:
+        path, state, differ = resume
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        scaler.load_state_dict(state["scaler"])
+        set_global_rng_states(state["rng"])
+        resumes = [*state.get("resumes", []), {"from": str(path), "step": start, "forced": differ}]
+        _copy_logs(
+            path.parent.parent if path.parent.name == CHECKPOINT_DIR else path.parent, run_dir
+        )
+        log.info(f"resumed from {path} at step {start}")
 
     def autocast() -> AbstractContextManager:
         return torch.autocast(device.type, dtype=amp_dtype, enabled=bool(cfg.amp.enabled))
@@ -253,6 +390,7 @@ def train(
         int(t.micro_batch_size),
         cfg.loader,
         pin_memory=bool(cfg.loader.pin_memory) and device.type == "cuda",
+        start_step=start,
     )
     steps_per_epoch = loader.batch_sampler.steps_per_epoch
     normalize = DeviceNormalizer(splits, device)
@@ -264,15 +402,23 @@ def train(
         f"batch {t.batch_size} = {k_micro} x {t.micro_batch_size}; {max_steps} steps"
     )
 
-    metrics = CsvLog(run_dir / "metrics.csv", ["step", "epoch", "loss", "grad_norm", "lr"])
-    evals = CsvLog(run_dir / "eval.csv", ["step", "val_loss", "val_accuracy"])
-    trace = TraceWriter(run_dir / TRACE_FILE) if t.trace else None
-    if trace:
-        tensors, whole = state_digests(model.state_dict())
-        trace.write([{"step": 0, "tensors": tensors, "weights_sha256": whole}])
+    at = start if resume else None
+    metrics = CsvLog(run_dir / "metrics.csv", ["step", "epoch", "loss", "grad_norm", "lr"], at)
+    evals = CsvLog(run_dir / "eval.csv", ["step", "val_loss", "val_accuracy"], at)
+    trace = None
+    if t.trace:
+        if resume:
+            kept = _keep_trace_prefix(run_dir / TRACE_FILE, start)
+            if kept != start:
+                log.warning(f"{TRACE_FILE} held steps up to {kept} only: the trace has a gap")
+            trace = TraceWriter(run_dir / TRACE_FILE, mode="a")
+        else:
+            trace = TraceWriter(run_dir / TRACE_FILE)
+            tensors, whole = state_digests(model.state_dict())
+            trace.write([{"step": 0, "tensors": tensors, "weights_sha256": whole}])
     # (step, loss, grad norm, lr, extra trace fields): losses stay on the device until a flush
     pending: list[tuple[int, torch.Tensor, torch.Tensor, float, dict[str, Any]]] = []
-    progress = Progress(max_steps, enabled=bool(t.progress))
+    progress = Progress(max_steps, enabled=bool(t.progress), start=start)
     last_loss, val_loss, val_acc = float("nan"), float("nan"), float("nan")
 
     def flush() -> None:
@@ -297,57 +443,98 @@ def train(
         last_loss = rows[-1][2]
         pending.clear()
 
+    def checkpoint(step: int) -> Path:
+        flush()  # the logs on disk cover every step the checkpoint does
+        path = checkpoint_path(run_dir, step)
+        save_checkpoint(
+            path,
+            {
+                "format": CHECKPOINT_FORMAT,
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "schedule": schedule.state_dict(),
+                "scaler": scaler.state_dict(),
+                "step": step,
+                "epoch": step // steps_per_epoch,
+                "position_in_epoch": step % steps_per_epoch,
+                "rng": global_rng_states(),
+                "config": cfg_container,
+                "config_hash": cfg_hash,
+                "environment": env,
+                "resumes": resumes,
+            },
+        )
+        if not mark_good(path):
+            log.warning(f"{path}: did not verify when read back; keeping the last good one")
+        rotate(run_dir, keep)
+        return path
+
     model.train()
     batches = iter(loader)
     t_loop = time.perf_counter()
     try:
-        for step in range(max_steps):
-            done = step + 1
-            traced = trace is not None and (
-                done == 1 or done == max_steps or (trace_every and done % trace_every == 0)
-            )
-            raw = [next(batches) for _ in range(k_micro)]
-            extra: dict[str, Any] = {}
-            if traced:
-                extra["batch"] = {
-                    "inputs": tensors_sha256(*(images for images, _ in raw)),
-                    "labels": tensors_sha256(*(labels for _, labels in raw)),
-                }
-            micro = [normalize(*b) for b in raw]
-            lr = schedule.get_last_lr()[0]
-            loss, grad_norm = train_step(
-                model,
-                optimizer,
-                scaler,
-                micro,
-                step=step,
-                seed=seed,
-                batch_size=int(t.batch_size),
-                autocast=autocast,
-            )
-            schedule.step()
-            if after_step is not None:
-                after_step(done, model)
-            if traced and (done == max_steps or (trace_every and done % trace_every == 0)):
-                extra["tensors"], extra["weights_sha256"] = state_digests(model.state_dict())
-            if done == max_steps:
-                extra["final"] = True
-            pending.append((done, loss, grad_norm, lr, extra))
-            if done % int(t.eval_every) == 0 or done == max_steps:
-                val_loss, val_acc = evaluate(
-                    model, splits, normalize, int(t.eval_batch_size), autocast
+        with PreemptionSignals() as signals:
+            for step in range(start, max_steps):
+                done = step + 1
+                traced = trace is not None and (
+                    done == 1 or done == max_steps or (trace_every and done % trace_every == 0)
                 )
-                extra["eval"] = {"val_loss": val_loss, "val_accuracy": val_acc}
-                flush()
-                evals.write([[done, val_loss, val_acc]])
-                progress.close()
-                log.info(
-                    f"step {done}/{max_steps}  loss {last_loss:.4f}  "
-                    f"val_loss {val_loss:.4f}  val_acc {val_acc:.4f}"
+                raw = [next(batches) for _ in range(k_micro)]
+                extra: dict[str, Any] = {}
+                if traced:
+                    extra["batch"] = {
+                        "inputs": tensors_sha256(*(images for images, _ in raw)),
+                        "labels": tensors_sha256(*(labels for _, labels in raw)),
+                    }
+                if resume and step == start:
+                    extra["resumed"] = resumes[-1]
+                micro = [normalize(*b) for b in raw]
+                lr = schedule.get_last_lr()[0]
+                loss, grad_norm = train_step(
+                    model,
+                    optimizer,
+                    scaler,
+                    micro,
+                    step=step,
+                    seed=seed,
+                    batch_size=int(t.batch_size),
+                    autocast=autocast,
                 )
-            elif done % int(t.log_every) == 0:
-                flush()
-                progress.update(done, loss=f"{last_loss:.4f}")
+                schedule.step()
+                if after_step is not None:
+                    after_step(done, model)
+                if traced and (done == max_steps or (trace_every and done % trace_every == 0)):
+                    extra["tensors"], extra["weights_sha256"] = state_digests(model.state_dict())
+                if done == max_steps:
+                    extra["final"] = True
+                pending.append((done, loss, grad_norm, lr, extra))
+                if done % int(t.eval_every) == 0 or done == max_steps:
+                    val_loss, val_acc = evaluate(
+                        model, splits, normalize, int(t.eval_batch_size), autocast
+                    )
+                    extra["eval"] = {"val_loss": val_loss, "val_accuracy": val_acc}
+                    flush()
+                    evals.write([[done, val_loss, val_acc]])
+                    progress.close()
+                    log.info(
+                        f"step {done}/{max_steps}  loss {last_loss:.4f}  "
+                        f"val_loss {val_loss:.4f}  val_acc {val_acc:.4f}"
+                    )
+                elif done % int(t.log_every) == 0:
+                    flush()
+                    progress.update(done, loss=f"{last_loss:.4f}")
+                saved = None
+                if done == max_steps or (checkpoint_every and done % checkpoint_every == 0):
+                    saved = checkpoint(done)
+                if signals.received and done < max_steps:
+                    saved = saved or checkpoint(done)
+                    progress.close()
+                    log.warning(
+                        f"{signals.received} received: stopped after step {done}/{max_steps}, "
+                        f"checkpoint {saved}; exit status {PREEMPTED_EXIT_CODE}. Resume with "
+                        f"the same command plus trainer.resume=auto hydra.run.dir={run_dir}"
+                    )
+                    raise Preempted(done, signals.received)
     finally:
         progress.close()
         metrics.close()
@@ -356,23 +543,11 @@ def train(
             trace.close()
     loop_seconds = time.perf_counter() - t_loop
 
-    state = model.state_dict()
-    weights = state_dict_sha256(state)
-    env = fingerprint["environment"]
-    save_checkpoint(
-        run_dir / str(t.checkpoint_name),
-        {
-            "model": state,
-            "optimizer": optimizer.state_dict(),
-            "schedule": schedule.state_dict(),
-            "scaler": scaler.state_dict(),
-            "step": max_steps,
-            "config": cfg_container,
-            "config_hash": cfg_hash,
-            "weights_sha256": weights,
-            "environment": env,
-        },
-    )
+    final = checkpoint_path(run_dir, max_steps)
+    final_copy = run_dir / str(t.checkpoint_name)
+    shutil.copyfile(final, final_copy)  # the run's result, next to summary.json
+    shutil.copyfile(sidecar(final), sidecar(final_copy))
+    weights = state_dict_sha256(model.state_dict())
     summary = {
         "weights_sha256": weights,
         "steps": max_steps,
@@ -386,8 +561,9 @@ def train(
         "num_workers": int(cfg.loader.num_workers),
         "config_hash": cfg_hash,
         "run_dir": str(run_dir),
-        "images_per_second": max_steps * int(t.batch_size) / loop_seconds,
+        "images_per_second": (max_steps - start) * int(t.batch_size) / loop_seconds,
         "wall_seconds": time.perf_counter() - t_start,
+        "resumes": resumes,
         "environment": env,
     }
     _write_json(run_dir / "summary.json", summary)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from typing import Any
 
 import numpy as np
 import torch
@@ -88,3 +89,43 @@ def worker_init_fn(worker_id: int) -> None:
     worker_seed = torch.initial_seed()
     random.seed(worker_seed)
     np.random.seed(worker_seed % 2**32)
+
+
+def global_rng_states() -> dict[str, Any]:
+    """The global generators' states as plain data (lists and tensors), so that a checkpoint
+    holding them loads with ``torch.load(weights_only=True)``."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python_random": [version, list(internal), gauss],
+        "numpy_global": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch_cpu": torch.get_rng_state(),
+        "torch_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_global_rng_states(states: dict[str, Any]) -> None:
+    """Restore what :func:`global_rng_states` returned."""
+    version, internal, gauss = states["python_random"]
+    random.setstate((version, tuple(internal), gauss))
+    n = states["numpy_global"]
+    np.random.set_state(
+        (
+            n["kind"],
+            n["keys"].numpy().astype(np.uint32),
+            n["pos"],
+            n["has_gauss"],
+            n["cached_gaussian"],
+        )
+    )
+    torch.set_rng_state(states["torch_cpu"])
+    cuda = states.get("torch_cuda") or []
+    if cuda and torch.cuda.is_available():
+        for i, state in enumerate(cuda[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, i)

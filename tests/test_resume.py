@@ -1,0 +1,287 @@
+"""Exact resume: kill anywhere (SIGKILL included), resume, same bits; and nothing lost.
+
+Each scenario is compared with the uninterrupted run of the same config: identical
+`weights_sha256`, identical metrics.csv (so every per-step loss before and after the resume
+point), and `repro compare` finds the traces identical."""
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, Run, run_train, train_cmd, user_env
+from repro.checkpoint import checkpoint_path, save_checkpoint, sidecar
+from repro.compare import compare_dirs
+from repro.errors import PREEMPTED_EXIT_CODE
+
+STEPS = 40
+# strict (the default), 2 loader workers, dropout on (the ConvNet's default 0.1)
+BASE = [
+    f"trainer.max_steps={STEPS}",
+    "trainer.eval_every=20",
+    "trainer.log_every=1",  # every step on disk at once: the test sees where the run is
+    "trainer.trace_every=5",
+    "loader=multi",
+    "loader.num_workers=2",
+]
+SCENARIOS = {
+    # 4096 samples / 64 = 64 steps an epoch: checkpoints at 10, 20, 30 are mid-epoch
+    "mid-epoch": [*BASE, "trainer.checkpoint_every=10"],
+    # 1024 / 64 = 16 steps an epoch: the checkpoint at step 16 is an epoch boundary
+    "epoch-boundary": [*BASE, "data.train_size=1024", "trainer.checkpoint_every=16"],
+    "bf16": [*BASE, "amp=on", "trainer.checkpoint_every=10"],
+}
+
+
+def metrics(run_dir: Path) -> str:
+    return (run_dir / "metrics.csv").read_text()
+
+
+def steps_done(run_dir: Path) -> int:
+    path = run_dir / "metrics.csv"
+    return max(0, len(path.read_text().splitlines()) - 1) if path.exists() else 0
+
+
+def interrupt(run_dir: Path, overrides: list[str], after: int, sig=signal.SIGKILL):
+    """Start train.py and send `sig` from outside once `after` steps are on disk.
+    Returns (exit status, steps on disk when the signal was sent)."""
+    proc = subprocess.Popen(
+        train_cmd(f"hydra.run.dir={run_dir}", *overrides),
+        cwd=run_dir.parent,
+        env=user_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 300
+    while steps_done(run_dir) < after:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"run ended before step {after}:\n{proc.communicate()[0]}")
+        time.sleep(0.002)
+    at = steps_done(run_dir)
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=300)
+    return proc.returncode, at, out
+
+
+def resume(run_dir: Path, overrides: list[str], *extra: str, check=True) -> Run:
+    return run_train(run_dir, *overrides, "trainer.resume=auto", *extra, check=check)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted run of each scenario (started with resume=auto in a fresh
+    directory, as a requeued cluster job is: there is nothing to resume, so it starts)."""
+    base = tmp_path_factory.mktemp("straight")
+    cache: dict[str, Run] = {}
+
+    def get(name: str) -> Run:
+        if name not in cache:
+            cache[name] = run_train(base / name, *SCENARIOS[name], "trainer.resume=auto")
+        return cache[name]
+
+    return get
+
+
+def assert_same_as(run: Run, reference: Run) -> None:
+    assert run.summary["weights_sha256"] == reference.summary["weights_sha256"]
+    assert metrics(run.dir) == metrics(reference.dir)  # every step's loss, grad norm, lr
+    result = compare_dirs(reference.dir, run.dir)
+    assert result.identical, result.text()
+    assert result.lines[0].startswith(f"identical: {STEPS} steps")
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_sigkill_then_resume_gives_the_uninterrupted_bits(scenario, straight, tmp_path):
+    overrides = SCENARIOS[scenario]
+    every = int(next(o for o in overrides if "checkpoint_every" in o).split("=")[1])
+    run_dir = tmp_path / "run"
+    status, at, out = interrupt(run_dir, overrides, after=every * 2 + 5)
+    assert status == -signal.SIGKILL
+    assert at % every != 0, f"killed at a checkpoint step ({at}): the test's premise failed"
+    resumed = resume(run_dir, overrides)
+    assert resumed.summary["resumes"][0]["step"] == (at // every) * every
+    assert_same_as(resumed, straight(scenario))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_preemption_signal_checkpoints_at_the_step_boundary_and_exits_75(sig, straight, tmp_path):
+    overrides = SCENARIOS["mid-epoch"]
+    run_dir = tmp_path / "run"
+    status, at, out = interrupt(run_dir, overrides, after=25, sig=sig)
+    assert status == PREEMPTED_EXIT_CODE == 75, out
+    stopped = steps_done(run_dir)  # the step it finished before stopping
+    assert checkpoint_path(run_dir, stopped).is_file() and stopped >= at
+    assert f"{sig.name} received: stopped after step {stopped}/{STEPS}" in out
+    resumed = resume(run_dir, overrides)
+    assert resumed.summary["resumes"][0]["step"] == stopped
+    assert_same_as(resumed, straight("mid-epoch"))
+
+
+def test_a_crash_between_write_and_rename_leaves_the_previous_checkpoint(straight, tmp_path):
+    """The process dies (os._exit) after step 30's checkpoint was written and fsynced but
+    before its rename: the temporary file is left, step 20's checkpoint is intact."""
+    overrides = SCENARIOS["mid-epoch"]
+    run_dir = tmp_path / "run"
+    crash = (
+        "import os, runpy, sys\n"
+        "real = os.replace\n"
+        "def replace(src, dst, *a, **k):\n"
+        "    if str(dst).endswith('step-00000030.pt'):\n"
+        "        os._exit(70)\n"
+        "    return real(src, dst, *a, **k)\n"
+        "os.replace = replace\n"
+        f"sys.argv = [{str(ROOT / 'train.py')!r}, *sys.argv[1:]]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", crash, f"hydra.run.dir={run_dir}", *overrides],
+        env=user_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 70, proc.stderr[-2000:]
+    folder = run_dir / "checkpoints"
+    assert list(folder.glob(".step-00000030.pt.*.tmp"))  # the interrupted write
+    assert not checkpoint_path(run_dir, 30).exists()
+    resumed = resume(run_dir, overrides)
+    assert resumed.summary["resumes"][0]["step"] == 20
+    assert not list(folder.glob("*.tmp"))
+    assert_same_as(resumed, straight("mid-epoch"))
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """A mid-epoch run SIGKILLed after step 25: checkpoints at 10 and 20."""
+    run_dir = tmp_path_factory.mktemp("killed") / "run"
+    status, at, _ = interrupt(run_dir, SCENARIOS["mid-epoch"], after=25)
+    assert status == -signal.SIGKILL and 20 < at < 30
+    return run_dir
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def flip_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def drop_checksum(path: Path) -> None:
+    sidecar(path).unlink()
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (truncate, "checksum mismatch (truncated or corrupted)"),
+        (flip_bit, "checksum mismatch (truncated or corrupted)"),
+        (drop_checksum, "no checksum file (the write was interrupted)"),
+    ],
+)
+def test_a_damaged_checkpoint_is_detected_and_resume_falls_back(
+    damage, message, killed, straight, tmp_path
+):
+    run_dir = shutil.copytree(killed, tmp_path / "run")
+    damage(checkpoint_path(run_dir, 20))
+    resumed = resume(run_dir, SCENARIOS["mid-epoch"])
+    log = resumed.proc.stdout + resumed.proc.stderr
+    assert f"step-00000020.pt: {message}" in log
+    assert "Falling back to the previous checkpoint" in log
+    assert resumed.summary["resumes"][0]["step"] == 10
+    assert_same_as(resumed, straight("mid-epoch"))
+
+
+class Payload:
+    """Unpickling this would create a marker file: what a malicious checkpoint does."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_a_checkpoint_carrying_code_is_refused_and_the_code_does_not_run(killed, tmp_path):
+    run_dir = shutil.copytree(killed, tmp_path / "run")
+    marker = tmp_path / "pwned"
+    evil = checkpoint_path(run_dir, 30)  # the newest, with a valid checksum
+    save_checkpoint(evil, {"model": {}, "step": 30, "payload": Payload(marker)})
+    assert not marker.exists()
+
+    out = subprocess.run(
+        [sys.executable, "-m", "repro", "digest", str(evil)],
+        env=user_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2 and "refused: it holds Python objects" in out.stderr
+    explicit = run_train(
+        tmp_path / "new", *SCENARIOS["mid-epoch"], f"trainer.resume={evil}", check=False
+    )
+    assert explicit.proc.returncode == 1
+    assert "refused: it holds Python objects that loading would run" in explicit.proc.stderr
+    auto = resume(run_dir, SCENARIOS["mid-epoch"])  # newest refused: falls back to step 20
+    assert auto.summary["resumes"][0]["step"] == 20
+    assert not marker.exists()
+
+
+def test_a_foreign_checkpoint_is_refused_with_the_differences_unless_forced(killed, tmp_path):
+    other = SCENARIOS["mid-epoch"] + ["seed=1", "amp=on"]
+    source = checkpoint_path(killed, 20)
+    refused = run_train(tmp_path / "a", *other, f"trainer.resume={source}", check=False)
+    assert refused.proc.returncode == 1
+    err = refused.proc.stderr.strip()
+    assert err.startswith("error: ") and len(err.splitlines()) == 1
+    assert "seed: 0 (checkpoint) vs 1 (now)" in err
+    assert "amp.enabled: False (checkpoint) vs True (now)" in err
+    assert "trainer.resume_force=true" in err
+    assert not (tmp_path / "a" / "trace.jsonl").exists()  # refused before writing anything
+
+    forced = run_train(
+        tmp_path / "b", *other, f"trainer.resume={source}", "trainer.resume_force=true"
+    )
+    record = forced.summary["resumes"][0]
+    assert record["step"] == 20 and "seed: 0 (checkpoint) vs 1 (now)" in record["forced"]
+    trace = (tmp_path / "b" / "trace.jsonl").read_text()
+    assert '"forced": ["amp.enabled' in trace  # the mismatch is in the trace, at step 21
+
+
+def test_a_checkpoint_from_another_environment_is_refused(killed, tmp_path):
+    run_dir = shutil.copytree(killed, tmp_path / "run")
+    path = checkpoint_path(run_dir, 20)
+    state = torch.load(path, weights_only=True)
+    state["environment"] = {**state["environment"], "torch": "2.10.0", "gpu": "NVIDIA A100"}
+    save_checkpoint(path, state)
+    refused = resume(run_dir, SCENARIOS["mid-epoch"], check=False)
+    assert refused.proc.returncode == 1
+    assert f"environment.torch: 2.10.0 (checkpoint) vs {torch.__version__} (now)" in (
+        refused.proc.stderr
+    )
+    assert "environment.gpu: NVIDIA A100 (checkpoint)" in refused.proc.stderr
+
+
+def test_resume_from_another_run_directory_continues_its_logs(killed, straight, tmp_path):
+    resumed = run_train(tmp_path / "new", *SCENARIOS["mid-epoch"], f"trainer.resume={killed}")
+    assert resumed.summary["resumes"][0]["step"] == 20
+    assert_same_as(resumed, straight("mid-epoch"))
+
+
+def test_keeps_the_newest_checkpoints_and_never_overwrites_a_run(straight):
+    run = straight("mid-epoch")
+    kept = sorted(p.name for p in (run.dir / "checkpoints").glob("step-*.pt"))
+    assert kept == ["step-00000030.pt", "step-00000040.pt"]  # keep_checkpoints=2
+    assert (run.dir / "checkpoint.pt").is_file() and sidecar(run.dir / "checkpoint.pt").is_file()
+    before = metrics(run.dir)
+    again = run_train(run.dir, *SCENARIOS["mid-epoch"], check=False)
+    assert again.proc.returncode == 1
+    assert "already holds a run" in again.proc.stderr and "trainer.resume=auto" in again.proc.stderr
+    assert metrics(run.dir) == before
