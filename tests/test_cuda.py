@@ -96,3 +96,22 @@ def test_doctor_finds_the_default_model_clean_in_strict_mode_on_cuda():
     report = _doctor()
     assert report.strict_ops == [] and report.strict == []
     assert report.clean
+
+
+def test_sigkill_and_resume_on_cuda_gives_the_uninterrupted_bits(tmp_path):
+    from test_resume import SCENARIOS, assert_same_as, interrupt, resume
+
+    from conftest import run_train
+
+    overrides = [*SCENARIOS["mid-epoch"], "device=cuda"]
+    straight = run_train(tmp_path / "straight", *overrides)
+    status, at, _ = interrupt(tmp_path / "killed", overrides, after=25)
+    assert status == -9 and at % 10 != 0
+    resumed = resume(tmp_path / "killed", overrides)
+    assert resumed.summary["device"].startswith("cuda")
+    assert resumed.summary["resumes"][0]["step"] == (at // 10) * 10
+    assert_same_as(resumed, straight)
+    print(
+        f"killed after step {at}, resumed from step {(at // 10) * 10}: "
+        f"weights {resumed.summary['weights_sha256']} == {straight.summary['weights_sha256']}"
+    )

@@ -285,3 +285,18 @@ def test_keeps_the_newest_checkpoints_and_never_overwrites_a_run(straight):
     assert again.proc.returncode == 1
     assert "already holds a run" in again.proc.stderr and "trainer.resume=auto" in again.proc.stderr
     assert metrics(run.dir) == before
+
+
+def test_resume_demo_script_prints_two_equal_digests(tmp_path):
+    out = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "resume_demo.sh")],
+        env=user_env(STEPS="20", KILL_AT="13", EVERY="5", PY=sys.executable, OUT=str(tmp_path)),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    digests = [line.split()[-1] for line in out.stdout.splitlines() if "weights_sha256" in line]
+    assert len(digests) == 2 and digests[0] == digests[1]
+    assert "PASS: identical bits" in out.stdout
