@@ -290,7 +290,7 @@ def test_keeps_the_newest_checkpoints_and_never_overwrites_a_run(straight):
 def test_resume_demo_script_prints_two_equal_digests(tmp_path):
     out = subprocess.run(
         ["bash", str(ROOT / "scripts" / "resume_demo.sh")],
-        env=user_env(STEPS="20", KILL_AT="13", EVERY="5", PY=sys.executable, OUT=str(tmp_path)),
+        env=user_env(STEPS="20", KILL_AT="13", EVERY="5", PY=sys.executable, DEMO_DIR=str(tmp_path)),
         cwd=tmp_path,
         capture_output=True,
         text=True,

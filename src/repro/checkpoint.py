@@ -111,11 +111,16 @@ def load_checkpoint(
     try:
         state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        # weights_only names the global it refused to import: a file that carries code
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        if found is None:
+            raise CheckpointError(
+                f"{path}: not a readable checkpoint (not a torch.save file); use another file."
+            ) from None
         raise CheckpointError(
             f"{path}: refused: it holds Python objects that loading would run "
-            f"(weights_only=True stopped at: {first[:160]}); do not load it unless you trust "
-            "its source."
+            f"({found.group(1)}; weights_only=True stopped it); do not load it unless you "
+            "trust its source."
         ) from None
     except Exception as err:
         raise CheckpointError(
