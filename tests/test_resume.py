@@ -290,7 +290,9 @@ def test_keeps_the_newest_checkpoints_and_never_overwrites_a_run(straight):
 def test_resume_demo_script_prints_two_equal_digests(tmp_path):
     out = subprocess.run(
         ["bash", str(ROOT / "scripts" / "resume_demo.sh")],
-        env=user_env(STEPS="20", KILL_AT="13", EVERY="5", PY=sys.executable, DEMO_DIR=str(tmp_path)),
+        env=user_env(
+            STEPS="20", KILL_AT="13", EVERY="5", PY=sys.executable, DEMO_DIR=str(tmp_path)
+        ),
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -300,3 +302,11 @@ def test_resume_demo_script_prints_two_equal_digests(tmp_path):
     digests = [line.split()[-1] for line in out.stdout.splitlines() if "weights_sha256" in line]
     assert len(digests) == 2 and digests[0] == digests[1]
     assert "PASS: identical bits" in out.stdout
+
+
+def test_resuming_a_finished_run_changes_nothing(straight):
+    run = straight("mid-epoch")
+    before = {p: (run.dir / p).read_bytes() for p in ("summary.json", "metrics.csv", "trace.jsonl")}
+    again = resume(run.dir, SCENARIOS["mid-epoch"])
+    assert "already complete" in again.proc.stderr + again.proc.stdout
+    assert {p: (run.dir / p).read_bytes() for p in before} == before

@@ -23,6 +23,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from repro.config import flatten
 from repro.errors import CheckpointError
 
 CHECKPOINT_DIR = "checkpoints"
@@ -191,21 +192,12 @@ RELEVANT_CONFIG = (
 RELEVANT_ENVIRONMENT = ("torch", "cuda", "cudnn", "gpu", "gpu_sm_count")
 
 
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, dict):
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: d}
-
-
 def mismatches(
     state: dict[str, Any], config: dict[str, Any], environment: dict[str, Any]
 ) -> list[str]:
     """``key: checkpoint vs now`` for each determinism-relevant config or environment entry
     that differs between a checkpoint and this run."""
-    old, new = _flatten(state.get("config") or {}), _flatten(config)
+    old, new = flatten(state.get("config") or {}), flatten(config)
     out = []
     for key in sorted(set(old) | set(new)):
         if any(key == r or key.startswith(r + ".") for r in RELEVANT_CONFIG):

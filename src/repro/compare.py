@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from repro.config import flatten
 from repro.errors import ReproError
 from repro.trace import ENV_FILE, TRACE_FILE
 
@@ -112,17 +113,8 @@ def _bits(x: Any) -> Any:
     return x
 
 
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, dict):
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: d}
-
-
 def _dict_diff(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    fa, fb = _flatten(a), _flatten(b)
+    fa, fb = flatten(a), flatten(b)
     missing = object()
     diffs = []
     for key in sorted(set(fa) | set(fb)):

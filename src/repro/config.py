@@ -398,6 +398,16 @@ def resolved_container(cfg: DictConfig) -> dict[str, Any]:
     return container
 
 
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (dotted keys, as on the command line)."""
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
 def config_hash(cfg: DictConfig) -> str:
     """SHA-256 of the resolved config (canonical JSON, sorted keys)."""
     blob = json.dumps(resolved_container(cfg), sort_keys=True, separators=(",", ":"))

@@ -352,6 +352,9 @@ def train(
         raise CheckpointError(
             f"{resume[0]} is at step {start}, beyond trainer.max_steps={max_steps}."
         )
+    if resume and start == max_steps and (run_dir / "summary.json").is_file():
+        log.info(f"{run_dir}: already complete ({max_steps} steps); nothing to resume")
+        return json.loads((run_dir / "summary.json").read_text())
 
     report = apply_determinism(cfg, device)  # layers 0-2, before model and loader exist
     report.save(run_dir)
