@@ -310,3 +310,16 @@ def test_resuming_a_finished_run_changes_nothing(straight):
     again = resume(run.dir, SCENARIOS["mid-epoch"])
     assert "already complete" in again.proc.stderr + again.proc.stdout
     assert {p: (run.dir / p).read_bytes() for p in before} == before
+
+
+def test_rotation_keeps_the_newest_and_the_last_good_checkpoint(tmp_path):
+    from repro.checkpoint import list_checkpoints, mark_good, rotate
+
+    for step in (10, 20, 30, 40):
+        save_checkpoint(checkpoint_path(tmp_path, step), {"model": {}, "step": step})
+        if step <= 20:  # 30 and 40 were written but never verified when read back
+            assert mark_good(checkpoint_path(tmp_path, step))
+    deleted = rotate(tmp_path, keep=2)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [40, 30, 20]  # 20: the last good
+    assert deleted == [checkpoint_path(tmp_path, 10)]
+    assert not sidecar(checkpoint_path(tmp_path, 10)).exists()
