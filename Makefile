@@ -11,7 +11,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test test-cuda verify lint format clean distclean
+.PHONY: help install train test test-cuda verify report lint format clean distclean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -44,6 +44,11 @@ test-cuda: install ## run only the CUDA-marked tests (on a GPU machine)
 
 verify: install ## train twice and with 0 vs 2 loader workers, compare bits: PASS/FAIL (ARGS="key=value ...")
 	$(PY) scripts/verify.py $(if $(ARGS),-- $(ARGS))
+
+report: install ## summarise a seed sweep (SWEEP=multirun/<date>/<time>_<id>; default: the newest)
+	@sweep="$(or $(SWEEP),$$(ls -d multirun/*/*/ 2>/dev/null | sort | tail -n 1))"; \
+	if [ -z "$$sweep" ]; then echo "no sweep under multirun/: run python train.py -m seed=0,1,2,3,4 first" >&2; exit 2; fi; \
+	$(PY) -m repro report "$$sweep"
 
 lint: install ## ruff: lint and check formatting
 	$(PY) -m ruff check src tests scripts train.py

@@ -1,10 +1,13 @@
 """Train: `python train.py [group=option ...] [key=value ...]` (see README.md)."""
 
+import json
 import sys
+import traceback
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from repro.config import check_overrides
@@ -16,10 +19,25 @@ CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float:
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        summary = train(cfg, Path(HydraConfig.get().runtime.output_dir))
-    except ReproError as err:
-        exit_with(err)
+        summary = train(cfg, run_dir)
+    except Exception as err:
+        if hydra_cfg.mode != RunMode.MULTIRUN:
+            if isinstance(err, ReproError):
+                exit_with(err)
+            raise
+        # In a sweep, a failing job must not take the others with it: record why it failed
+        # (repro report lists it), then let Hydra mark the job failed and go on.
+        record = {
+            "type": type(err).__name__,
+            "message": str(err),
+            "traceback": traceback.format_exc(),
+        }
+        (run_dir / "error.json").write_text(json.dumps(record, indent=2) + "\n")
+        print(f"error: job {hydra_cfg.job.num} ({run_dir.name}): {err}", file=sys.stderr)
+        raise
     return summary["val_accuracy"]
 
 

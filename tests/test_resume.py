@@ -323,3 +323,40 @@ def test_rotation_keeps_the_newest_and_the_last_good_checkpoint(tmp_path):
     assert [s for s, _ in list_checkpoints(tmp_path)] == [40, 30, 20]  # 20: the last good
     assert deleted == [checkpoint_path(tmp_path, 10)]
     assert not sidecar(checkpoint_path(tmp_path, 10)).exists()
+
+
+def test_sigusr2_is_handed_to_a_launcher_that_listens_after_the_checkpoint(straight, tmp_path):
+    """What submitit (hydra/launcher=slurm) does: its SIGUSR2 handler requeues the job.
+    The loop catches SIGUSR2 only when such a handler exists, checkpoints at the step
+    boundary, then calls it; the requeued run (resume=auto) gives the straight run's bits."""
+    run_dir = tmp_path / "run"
+    marker = tmp_path / "requeued"
+    launcher = (
+        "import runpy, signal, sys\n"
+        "def requeue(signum, frame):\n"
+        f"    open({str(marker)!r}, 'w').write('requeued')\n"
+        "    raise SystemExit(3)\n"
+        "signal.signal(signal.SIGUSR2, requeue)\n"
+        f"sys.argv = [{str(ROOT / 'train.py')!r}, *sys.argv[1:]]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    overrides = SCENARIOS["mid-epoch"]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", launcher, f"hydra.run.dir={run_dir}", *overrides],
+        env=user_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    while steps_done(run_dir) < 25:
+        assert proc.poll() is None, proc.communicate()[0]
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGUSR2)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 3, out
+    stopped = steps_done(run_dir)
+    assert f"SIGUSR2 received: stopped after step {stopped}/{STEPS}" in out
+    assert marker.read_text() == "requeued" and checkpoint_path(run_dir, stopped).is_file()
+    resumed = resume(run_dir, overrides)
+    assert resumed.summary["resumes"][0]["step"] == stopped
+    assert_same_as(resumed, straight("mid-epoch"))

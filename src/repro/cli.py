@@ -63,6 +63,52 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if report.clean else 1
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    """Summarise a seed sweep: per-seed table, mean, SD, 95% CI, outliers, curves."""
+    from repro.report import write_report
+
+    report, text, written = write_report(Path(args.sweep_dir))
+    print(text)
+    print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
+    return 0 if report["failed"] == report["incomplete"] == 0 else 1
+
+
+def cmd_rerun(args: argparse.Namespace) -> int:
+    """Re-run one job of a sweep alone (same overrides) and check it gives the same bits."""
+    import datetime as dt
+    import subprocess
+
+    from repro.compare import compare_dirs
+    from repro.config import find_conf_dir
+
+    job = Path(args.job_dir)
+    overrides_file = job / ".hydra" / "overrides.yaml"
+    if not overrides_file.is_file():
+        raise ReproError(f"{job}: no .hydra/overrides.yaml; give a job directory of a sweep.")
+    from omegaconf import OmegaConf
+
+    overrides = [str(o) for o in OmegaConf.load(overrides_file)]
+    stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    out = Path(args.out) if args.out else job / "rerun" / stamp
+    if out.exists() and any(out.iterdir()):
+        raise ReproError(f"{out}: exists and is not empty; give another --out.")
+    train_py = find_conf_dir().parent / "train.py"
+    quoted = str(out).replace("\\", "\\\\").replace("'", "\\'")  # Hydra's quoted-value grammar
+    cmd = [sys.executable, str(train_py), *overrides, f"hydra.run.dir='{quoted}'"]
+    print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, stdout=sys.stderr)  # training output to stderr: stdout is the verdict
+    if proc.returncode != 0:
+        raise ReproError(f"the re-run failed (exit status {proc.returncode}); see {out}.")
+    if not (job / "summary.json").is_file():
+        print(
+            f"re-ran into {out}; the original job did not finish, so there is nothing to compare."
+        )
+        return 0
+    result = compare_dirs(job, out)
+    print(result.text())
+    return result.exit_code
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="repro", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -92,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=4, help="forward+backward repeats (default 4)")
     p.add_argument("--config-dir", help="the conf/ directory (default: ./conf, else the project's)")
     p.set_defaults(func=cmd_doctor)
+    p = sub.add_parser("report", help=cmd_report.__doc__, description=cmd_report.__doc__)
+    p.add_argument("sweep_dir", help="the sweep's directory (multirun/<date>/<time>_<id>)")
+    p.set_defaults(func=cmd_report)
+    p = sub.add_parser("rerun", help=cmd_rerun.__doc__, description=cmd_rerun.__doc__)
+    p.add_argument("job_dir", help="one job's directory inside a sweep directory")
+    p.add_argument("--out", help="run directory for the re-run (default JOB_DIR/rerun/<time>)")
+    p.set_defaults(func=cmd_rerun)
     p = sub.add_parser("env", help=cmd_env.__doc__)
     p.set_defaults(func=cmd_env)
     return parser

@@ -239,26 +239,39 @@ class CsvLog:
 
 class PreemptionSignals:
     """SIGTERM / SIGUSR1 (a cluster's notice before it kills or requeues a job) set a flag;
-    the loop checkpoints at the next step boundary and exits with ``PREEMPTED_EXIT_CODE``."""
+    the loop checkpoints at the next step boundary and exits with ``PREEMPTED_EXIT_CODE``.
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGUSR2 is caught too when some Python code already handles it: submitit (Hydra's SLURM
+    launcher) requeues a job on SIGUSR2. The loop checkpoints first, then hands the signal to
+    that handler (:meth:`hand_over`), so the requeued job resumes from this very step."""
 
     def __init__(self) -> None:
-        self.received: str | None = None
+        self.received: signal.Signals | None = None
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> PreemptionSignals:
         if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
+            signals = [signal.SIGTERM, signal.SIGUSR1]
+            if callable(signal.getsignal(signal.SIGUSR2)):
+                signals.append(signal.SIGUSR2)
+            for sig in signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.received = signal.Signals(signum).name
+        self.received = signal.Signals(signum)
+
+    def hand_over(self) -> None:
+        """Call the handler that was there before us for the received signal, if any."""
+        previous = self._previous.get(self.received) if self.received else None
+        if callable(previous):
+            self.__exit__()
+            previous(int(self.received), None)
 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        self._previous = {}
 
 
 def _keep_trace_prefix(path: Path, step: int) -> int:
@@ -532,12 +545,17 @@ def train(
                 if signals.received and done < max_steps:
                     saved = saved or checkpoint(done)
                     progress.close()
+                    name = signals.received.name
                     log.warning(
-                        f"{signals.received} received: stopped after step {done}/{max_steps}, "
+                        f"{name} received: stopped after step {done}/{max_steps}, "
                         f"checkpoint {saved}; exit status {PREEMPTED_EXIT_CODE}. Resume with "
                         f"the same command plus trainer.resume=auto hydra.run.dir={run_dir}"
                     )
-                    raise Preempted(done, signals.received)
+                    for f in (metrics, evals, trace):  # all on disk before handing over
+                        if f:
+                            f.close()
+                    signals.hand_over()  # e.g. submitit: requeue this job (and exit)
+                    raise Preempted(done, name)
     finally:
         progress.close()
         metrics.close()

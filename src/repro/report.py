@@ -1,0 +1,335 @@
+"""``repro report SWEEP_DIR``: a seed sweep as a distribution, not a pick.
+
+"Which run is right?" has no answer; the distribution over seeds does. For each group of jobs
+that share every override but the seed (``lr=0.1,0.01 seed=0,1,2`` gives two groups), the
+report lists each job (seed, status, final metrics, weights digest), then per metric the mean,
+the standard deviation, min/max, a 95% confidence interval for the mean (Student t, n - 1
+degrees of freedom), and any seed more than 2 SD from the mean. Jobs that failed or did not
+finish are listed as such, never dropped. Writes ``report.md``, ``report.json`` and, with
+matplotlib installed (``pip install -e '.[report]'``), a figure of every seed's loss and
+accuracy curves with the mean ± SD band.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from repro.checkpoint import list_checkpoints
+from repro.errors import ReproError
+
+METRICS = ("val_accuracy", "val_loss", "final_loss")
+ERROR_FILE = "error.json"
+
+
+def t_quantile(p: float, df: int) -> float:
+    """Quantile of Student's t distribution (no SciPy): bisection on the CDF, which is
+    integrated with Simpson's rule. Accurate to ~1e-6 for the 95% interval."""
+
+    def pdf(x: float) -> float:
+        c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+        return math.exp(c - (df + 1) / 2 * math.log1p(x * x / df))
+
+    def cdf(x: float, n: int = 2000) -> float:
+        h = x / n
+        inner = sum((4 if i % 2 else 2) * pdf(i * h) for i in range(1, n))
+        return 0.5 + (pdf(0.0) + pdf(x) + inner) * h / 3
+
+    lo, hi = 0.0, 1.0
+    while cdf(hi) < p:
+        hi *= 2
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+@dataclass
+class Job:
+    dir: Path
+    num: int
+    overrides: list[str]
+    seed: int | None
+    status: str  # ok | failed | incomplete
+    summary: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+
+    @property
+    def group(self) -> tuple[str, ...]:
+        return tuple(o for o in self.overrides if o.split("=", 1)[0].lstrip("+~") != "seed")
+
+    def rerun_command(self) -> str:
+        return f"repro rerun {self.dir}"
+
+
+def _job_status(job_dir: Path) -> tuple[str, dict[str, Any], str]:
+    if (job_dir / "summary.json").is_file():
+        return "ok", json.loads((job_dir / "summary.json").read_text()), ""
+    if (job_dir / ERROR_FILE).is_file():
+        err = json.loads((job_dir / ERROR_FILE).read_text())
+        return "failed", {}, f"{err.get('type')}: {err.get('message')}"
+    ckpts = list_checkpoints(job_dir)
+    detail = (
+        f"stopped after its step-{ckpts[0][0]} checkpoint: resume with trainer.resume=auto"
+        if ckpts
+        else "no summary: killed, still running, or never started"
+    )
+    return "incomplete", {}, detail
+
+
+def find_jobs(sweep_dir: Path) -> list[Job]:
+    sweep_dir = Path(sweep_dir)
+    if not sweep_dir.is_dir():
+        raise ReproError(f"{sweep_dir}: no such sweep directory.")
+    jobs = []
+    for sub in sorted(p for p in sweep_dir.iterdir() if p.is_dir()):
+        overrides_file = sub / ".hydra" / "overrides.yaml"
+        if not overrides_file.is_file():
+            continue
+        overrides = [str(o) for o in OmegaConf.load(overrides_file)]
+        config_file = sub / ".hydra" / "config.yaml"
+        seed = None
+        if config_file.is_file():
+            seed = OmegaConf.load(config_file).get("seed")
+        head = sub.name.split("_", 1)[0]
+        num = int(head) if head.isdigit() else len(jobs)
+        status, summary, error = _job_status(sub)
+        jobs.append(Job(sub, num, overrides, seed, status, summary, error))
+    if not jobs:
+        raise ReproError(
+            f"{sweep_dir}: no job directories (with .hydra/overrides.yaml); give the directory "
+            "of a `python train.py -m ...` sweep, e.g. multirun/<date>/<time>_<id>."
+        )
+    return sorted(jobs, key=lambda j: j.num)
+
+
+def describe(values: list[float]) -> dict[str, Any]:
+    """n, mean, SD, min, max, 95% CI of the mean (Student t, df = n - 1)."""
+    n = len(values)
+    out: dict[str, Any] = {"n": n}
+    if n == 0:
+        return out
+    mean = statistics.fmean(values)
+    out.update(mean=mean, min=min(values), max=max(values))
+    if n >= 2:
+        sd = statistics.stdev(values)
+        t = t_quantile(0.975, n - 1)
+        half = t * sd / math.sqrt(n)
+        out.update(sd=sd, ci95=[mean - half, mean + half], t=t, df=n - 1)
+    return out
+
+
+def outliers(jobs: list[Job], metric: str, stats: dict[str, Any]) -> list[dict[str, Any]]:
+    """Seeds more than 2 SD from the group's mean (needs n >= 3)."""
+    sd = stats.get("sd")
+    if not sd or stats["n"] < 3:
+        return []
+    found = []
+    for j in jobs:
+        z = (j.summary[metric] - stats["mean"]) / sd
+        if abs(z) > 2:
+            found.append({"seed": j.seed, "job": j.dir.name, "value": j.summary[metric], "z": z})
+    return found
+
+
+def _curves(job: Job) -> tuple[dict[int, float], dict[int, float]]:
+    loss, acc = {}, {}
+    if (job.dir / "metrics.csv").is_file():
+        with open(job.dir / "metrics.csv") as f:
+            loss = {int(r["step"]): float(r["loss"]) for r in csv.DictReader(f)}
+    if (job.dir / "eval.csv").is_file():
+        with open(job.dir / "eval.csv") as f:
+            acc = {int(r["step"]): float(r["val_accuracy"]) for r in csv.DictReader(f)}
+    return loss, acc
+
+
+def build_report(sweep_dir: Path) -> dict[str, Any]:
+    jobs = find_jobs(sweep_dir)
+    groups: dict[tuple[str, ...], list[Job]] = {}
+    for j in jobs:
+        groups.setdefault(j.group, []).append(j)
+    out_groups = []
+    for key, members in groups.items():
+        ok = [j for j in members if j.status == "ok"]
+        metrics = {}
+        for m in METRICS:
+            values = [j.summary[m] for j in ok if isinstance(j.summary.get(m), (int, float))]
+            values = [v for v in values if not math.isnan(v)]
+            stats = describe(values)
+            stats["outliers"] = outliers(ok, m, stats)
+            metrics[m] = stats
+        out_groups.append(
+            {
+                "overrides": list(key),
+                "jobs": [
+                    {
+                        "job": j.dir.name,
+                        "seed": j.seed,
+                        "status": j.status,
+                        "error": j.error,
+                        **{m: j.summary.get(m) for m in (*METRICS, "steps", "weights_sha256")},
+                        "rerun": j.rerun_command(),
+                    }
+                    for j in members
+                ],
+                "metrics": metrics,
+                "distinct_weights": len({j.summary["weights_sha256"] for j in ok}),
+            }
+        )
+    common = [o for o in out_groups[0]["overrides"] if all(o in g["overrides"] for g in out_groups)]
+    for g in out_groups:
+        g["title"] = " ".join(o for o in g["overrides"] if o not in common)
+    return {
+        "sweep_dir": str(sweep_dir),
+        "common_overrides": common,
+        "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "jobs": len(jobs),
+        "ok": sum(j.status == "ok" for j in jobs),
+        "failed": sum(j.status == "failed" for j in jobs),
+        "incomplete": sum(j.status == "incomplete" for j in jobs),
+        "groups": out_groups,
+    }
+
+
+def _num(x: Any, digits: int = 4) -> str:
+    return f"{x:.{digits}f}" if isinstance(x, float) else ("–" if x is None else str(x))
+
+
+def format_markdown(report: dict[str, Any], figures: dict[int, str]) -> str:
+    lines = [
+        f"# Sweep report: `{report['sweep_dir']}`",
+        "",
+        f"{report['jobs']} jobs: {report['ok']} finished, {report['failed']} failed, "
+        f"{report['incomplete']} incomplete. Generated {report['date']} by `repro report`.",
+    ]
+    if report["common_overrides"]:
+        lines += ["", "Overrides of every job: `" + " ".join(report["common_overrides"]) + "`"]
+    for i, g in enumerate(report["groups"]):
+        title = g["title"] or "all jobs (only the seed varies)"
+        lines += ["", f"## {title}", ""]
+        lines += [
+            "| job | seed | status | val_accuracy | val_loss | final_loss | steps | weights |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for j in g["jobs"]:
+            status = j["status"] if j["status"] == "ok" else f"**{j['status']}**"
+            weights = f"`{j['weights_sha256'][:12]}`" if j["weights_sha256"] else "–"
+            lines.append(
+                f"| {j['job']} | {j['seed']} | {status} | {_num(j['val_accuracy'])} | "
+                f"{_num(j['val_loss'])} | {_num(j['final_loss'])} | {_num(j['steps'])} | "
+                f"{weights} |"
+            )
+        lines.append("")
+        for m, s in g["metrics"].items():
+            if s["n"] == 0:
+                lines.append(f"- **{m}**: no finished job.")
+                continue
+            if s["n"] == 1:
+                lines.append(f"- **{m}**: {s['mean']:.4f} (n=1: no spread; run more seeds)")
+                continue
+            lines.append(
+                f"- **{m}**: mean {s['mean']:.4f}, SD {s['sd']:.4f}, min {s['min']:.4f}, "
+                f"max {s['max']:.4f}; 95% CI of the mean [{s['ci95'][0]:.4f}, "
+                f"{s['ci95'][1]:.4f}] (Student t, n={s['n']}, df={s['df']}, t={s['t']:.3f})"
+            )
+            for o in s["outliers"]:
+                lines.append(
+                    f"  - seed {o['seed']} ({o['job']}): {o['value']:.4f} is {abs(o['z']):.1f} SD "
+                    f"{'above' if o['z'] > 0 else 'below'} the mean"
+                )
+        problems = [j for j in g["jobs"] if j["status"] != "ok"]
+        if problems:
+            lines += ["", "Not in the statistics:"]
+            lines += [
+                f"- {j['job']} (seed {j['seed']}): {j['status']}: {j['error']}" for j in problems
+            ]
+        lines += [
+            "",
+            f"Distinct final weight digests: {g['distinct_weights']} of "
+            f"{sum(j['status'] == 'ok' for j in g['jobs'])} finished jobs. Re-run one job alone "
+            f"(same bits): `{g['jobs'][0]['rerun']}`.",
+        ]
+        if i in figures:
+            lines += ["", f"![curves]({figures[i]})"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict[str, Any], sweep_dir: Path) -> tuple[dict[int, str], str | None]:
+    """One PNG per group: training loss and validation accuracy of every seed, mean ± SD."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return {}, "matplotlib is not installed (pip install -e '.[report]'): no figure"
+    jobs = {j.dir.name: j for j in find_jobs(sweep_dir)}
+    figures = {}
+    for i, g in enumerate(report["groups"]):
+        members = [jobs[j["job"]] for j in g["jobs"] if j["status"] == "ok"]
+        if not members:
+            continue
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for ax, which, label in ((axes[0], 0, "training loss"), (axes[1], 1, "val accuracy")):
+            curves = [_curves(j)[which] for j in members]
+            for j, c in zip(members, curves, strict=True):
+                style = "o-" if which else "-"  # evaluations are few points
+                ax.plot(
+                    list(c),
+                    list(c.values()),
+                    style,
+                    lw=0.8,
+                    ms=3,
+                    alpha=0.6,
+                    label=f"seed {j.seed}",
+                )
+            common = sorted(set.intersection(*(set(c) for c in curves)))
+            if common and len(curves) > 1:
+                mean = [statistics.fmean(c[s] for c in curves) for s in common]
+                sd = [statistics.stdev(c[s] for c in curves) for s in common]
+                ax.plot(common, mean, color="black", lw=1.6, label="mean")
+                ax.fill_between(
+                    common,
+                    [m - d for m, d in zip(mean, sd, strict=True)],
+                    [m + d for m, d in zip(mean, sd, strict=True)],
+                    color="black",
+                    alpha=0.15,
+                    label="mean ± SD",
+                )
+            ax.set_xlabel("step")
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+        axes[1].legend(fontsize=7, loc="lower right")
+        fig.suptitle(g["title"] or "all jobs (only the seed varies)", fontsize=9)
+        fig.tight_layout()
+        name = "report.png" if len(report["groups"]) == 1 else f"report-{i}.png"
+        fig.savefig(sweep_dir / name, dpi=110)
+        plt.close(fig)
+        figures[i] = name
+    return figures, None
+
+
+def write_report(sweep_dir: Path) -> tuple[dict[str, Any], str, list[Path]]:
+    """Build the report and write report.md, report.json (and PNGs) into the sweep dir."""
+    sweep_dir = Path(sweep_dir)
+    report = build_report(sweep_dir)
+    figures, note = plot(report, sweep_dir)
+    report["figures"] = list(figures.values())
+    if note:
+        report["note"] = note
+    text = format_markdown(report, figures)
+    if note:
+        text += f"\n_{note}._\n"
+    (sweep_dir / "report.md").write_text(text)
+    (sweep_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    written = [sweep_dir / "report.md", sweep_dir / "report.json"]
+    written += [sweep_dir / f for f in figures.values()]
+    return report, text, written

@@ -1,0 +1,151 @@
+"""Seed sweeps: `repro report` (table, mean, SD, t interval, outliers, failed jobs),
+the parallel launcher preset (same bits as sequential), `repro rerun` (same bits alone)."""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, train_cmd, user_env
+from repro.report import describe, outliers, t_quantile, write_report
+
+TINY = [
+    "trainer.max_steps=6",
+    "trainer.eval_every=3",
+    "data.train_size=512",
+    "data.val_size=128",
+]
+
+
+def sweep(cwd, *overrides):
+    """`python train.py -m ...` in cwd; returns (completed process, the sweep directory)."""
+    env = user_env(
+        PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    )
+    cwd.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(
+        train_cmd("-m", *TINY, *overrides), cwd=cwd, env=env, capture_output=True, text=True
+    )
+    (sweep_dir,) = (cwd / "multirun").glob("*/*/")
+    return proc, sweep_dir
+
+
+def repro(*args, cwd=None):
+    return subprocess.run(
+        [sys.executable, "-m", "repro", *args],
+        capture_output=True,
+        text=True,
+        env=user_env(),
+        cwd=cwd,
+    )
+
+
+def digests(sweep_dir):
+    return {
+        p.parent.name: json.loads(p.read_text())["weights_sha256"]
+        for p in sweep_dir.glob("*/summary.json")
+    }
+
+
+@pytest.fixture(scope="module")
+def sequential(tmp_path_factory):
+    proc, sweep_dir = sweep(tmp_path_factory.mktemp("seq"), "optim.lr=0.05,0.1", "seed=0,1,2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return sweep_dir
+
+
+def test_report_gives_a_table_and_the_distribution_per_group(sequential):
+    out = repro("report", str(sequential))
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "6 jobs: 6 finished, 0 failed, 0 incomplete" in text
+    assert "## optim.lr=0.05" in text and "## optim.lr=0.1" in text  # grouped by all but seed
+    assert "| 0_seed=0 | 0 | ok |" in text and "| 5_seed=2 | 2 | ok |" in text
+    assert text.count("(Student t, n=3, df=2, t=4.303)") == 6  # 3 metrics x 2 groups
+    report = json.loads((sequential / "report.json").read_text())
+    for group in report["groups"]:
+        lr = group["overrides"][0]
+        accs = [j["val_accuracy"] for j in group["jobs"]]
+        stats = group["metrics"]["val_accuracy"]
+        assert [j["seed"] for j in group["jobs"]] == [0, 1, 2], lr
+        assert stats["mean"] == statistics.fmean(accs)
+        assert stats["sd"] == statistics.stdev(accs)
+        half = 4.302652729911275 * stats["sd"] / 3**0.5
+        assert stats["ci95"] == pytest.approx([stats["mean"] - half, stats["mean"] + half])
+        assert group["distinct_weights"] == 3
+    assert (sequential / "report.md").read_text().startswith("# Sweep report")
+    for png in ("report-0.png", "report-1.png"):  # the curves of each group, with matplotlib
+        assert (sequential / png).stat().st_size > 10_000
+
+
+def test_a_failed_job_is_reported_and_the_others_still_are(tmp_path):
+    proc, sweep_dir = sweep(
+        tmp_path, "model._target_=sweep_models.FailsForSeed", "+model.fail_seed=1", "seed=0,1,2"
+    )
+    assert proc.returncode == 1  # the sweep says a job failed ...
+    assert sorted(digests(sweep_dir)) == ["0_seed=0", "2_seed=2"]  # ... after running the rest
+    out = repro("report", str(sweep_dir))
+    assert out.returncode == 1
+    assert "3 jobs: 2 finished, 1 failed, 0 incomplete" in out.stdout
+    assert "| 1_seed=1 | 1 | **failed** |" in out.stdout
+    assert "this model refuses seed 1" in out.stdout
+    assert "(Student t, n=2, df=1, t=12.706)" in out.stdout
+
+
+def test_parallel_launcher_gives_the_sequential_bits(sequential, tmp_path):
+    proc, sweep_dir = sweep(tmp_path, "optim.lr=0.05,0.1", "seed=0,1,2", "hydra/launcher=parallel")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Joblib.Parallel(n_jobs=2" in proc.stdout + proc.stderr
+    assert digests(sweep_dir) == digests(sequential)  # job by job, 6 digests
+
+
+def test_rerun_one_job_alone_gives_its_bits(sequential):
+    job = next(sequential.glob("4_*"))
+    out = repro("rerun", str(job))
+    assert out.returncode == 0, out.stdout + out.stderr
+    weights = json.loads((job / "summary.json").read_text())["weights_sha256"]
+    assert out.stdout.splitlines()[0] == f"identical: 6 steps, weights {weights}"
+    (rerun_dir,) = (job / "rerun").iterdir()
+    assert json.loads((rerun_dir / "summary.json").read_text())["weights_sha256"] == weights
+
+
+def test_report_without_matplotlib_still_writes_the_text(sequential, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(sequential), str(copy)], check=True)
+    for png in copy.glob("*.png"):
+        png.unlink()
+    report, text, written = write_report(copy)
+    assert "matplotlib is not installed" in text and report["figures"] == []
+    assert not list(copy.glob("*.png")) and (copy / "report.json").is_file()
+
+
+def test_report_errors_are_one_line(tmp_path):
+    out = repro("report", str(tmp_path / "nope"))
+    assert out.returncode == 2 and out.stderr.strip().endswith("no such sweep directory.")
+    out = repro("report", str(tmp_path))
+    assert out.returncode == 2 and "no job directories" in out.stderr
+
+
+def test_t_quantiles_match_the_tables():
+    for df, t in [(1, 12.706), (2, 4.303), (4, 2.776), (9, 2.262), (29, 2.045)]:
+        assert round(t_quantile(0.975, df), 3) == t
+
+
+def test_outliers_beyond_two_sd_are_flagged():
+    class J:
+        def __init__(self, seed, v):
+            self.seed, self.summary, self.dir = (
+                seed,
+                {"val_accuracy": v},
+                type("D", (), {"name": f"{seed}"}),
+            )
+
+    values = [0.80, 0.81, 0.79, 0.80, 0.80, 0.80, 0.50]
+    jobs = [J(i, v) for i, v in enumerate(values)]
+    stats = describe(values)
+    flagged = outliers(jobs, "val_accuracy", stats)
+    assert [f["seed"] for f in flagged] == [6] and flagged[0]["z"] < -2
