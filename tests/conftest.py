@@ -40,14 +40,20 @@ class Run:
         return next(e for e in self.report["entries"] if e["name"] == name)
 
 
-def user_env(**extra: str) -> dict[str, str]:
-    """The environment of a user's shell: no PYTHONHASHSEED/CUBLAS preset (train.py must
-    pin them itself), CI=true so no progress bar."""
+def user_env(pinned: bool = True, **extra: str) -> dict[str, str]:
+    """The environment of a user's shell, CI=true so no progress bar.
+
+    ``pinned``: PYTHONHASHSEED and CUBLAS_WORKSPACE_CONFIG exported as strict mode needs them
+    (what a user may do to skip the re-exec), so each run starts one interpreter instead of
+    two. ``pinned=False`` leaves them out: train.py must pin them itself by re-executing
+    (tests/test_determinism.py checks that path)."""
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG", "REPRO_REEXECUTED")
     }
+    if pinned:
+        env.update(PYTHONHASHSEED="0", CUBLAS_WORKSPACE_CONFIG=":4096:8")
     env.update(CI="true", PYTHONUNBUFFERED="1", **extra)
     return env
 

@@ -30,7 +30,9 @@ def test_hash_seed_check_tells_started_with_from_set_later():
 
 
 def test_strict_re_executes_to_pin_the_environment(train_run):
-    run = train_run("strict", *SHORT[:1], "trainer.max_steps=2", "trainer.eval_every=2")
+    run = train_run(
+        "strict", *SHORT[:1], "trainer.max_steps=2", "trainer.eval_every=2", env=user_env(False)
+    )
     assert run.entry("re-executed to pin the environment")["value"] is True
     for name in (
         "PYTHONHASHSEED",
@@ -48,7 +50,11 @@ def test_strict_re_executes_to_pin_the_environment(train_run):
 
 def test_strict_refuses_to_run_without_the_environment(train_run):
     run = train_run(
-        "nopin", "trainer.max_steps=2", "determinism.pin_process_env=false", check=False
+        "nopin",
+        "trainer.max_steps=2",
+        "determinism.pin_process_env=false",
+        check=False,
+        env=user_env(pinned=False),
     )
     assert run.proc.returncode == 1
     assert "PYTHONHASHSEED" in run.proc.stderr and "Traceback" not in run.proc.stderr
@@ -64,7 +70,7 @@ def test_tf32_override_is_removed_in_strict(train_run):
         "tf32",
         "trainer.max_steps=2",
         "trainer.eval_every=2",
-        env=user_env(TORCH_ALLOW_TF32_CUBLAS_OVERRIDE="1"),
+        env=user_env(False, TORCH_ALLOW_TF32_CUBLAS_OVERRIDE="1"),
     )
     assert run.entry("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE")["value"] is None
 
