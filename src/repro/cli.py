@@ -96,7 +96,8 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     quoted = str(out).replace("\\", "\\\\").replace("'", "\\'")  # Hydra's quoted-value grammar
     cmd = [sys.executable, str(train_py), *overrides, f"hydra.run.dir='{quoted}'"]
     print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, stdout=sys.stderr)  # training output to stderr: stdout is the verdict
+    # training output to stderr: stdout is the verdict
+    proc = subprocess.run(cmd, stdout=sys.stderr)
     if proc.returncode != 0:
         raise ReproError(f"the re-run failed (exit status {proc.returncode}); see {out}.")
     if not (job / "summary.json").is_file():
