@@ -10,6 +10,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from repro.checkpoint import atomic_write
 from repro.config import check_overrides
 from repro.errors import ReproError, exit_with
 from repro.loop import train
@@ -21,6 +22,7 @@ CONF_DIR = Path(__file__).resolve().parent / "conf"
 def main(cfg: DictConfig) -> float:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
+    (run_dir / "error.json").unlink(missing_ok=True)  # from an earlier attempt of this job
     try:
         summary = train(cfg, run_dir)
     except Exception as err:
@@ -35,7 +37,8 @@ def main(cfg: DictConfig) -> float:
             "message": str(err),
             "traceback": traceback.format_exc(),
         }
-        (run_dir / "error.json").write_text(json.dumps(record, indent=2) + "\n")
+        text = json.dumps(record, indent=2) + "\n"
+        atomic_write(run_dir / "error.json", lambda f: f.write(text.encode()))
         print(f"error: job {hydra_cfg.job.num} ({run_dir.name}): {err}", file=sys.stderr)
         raise
     return summary["val_accuracy"]

@@ -165,3 +165,12 @@ def test_missing_or_damaged_runs_are_one_clear_line(runs, tmp_path):
     assert bad.returncode == 2 and "trace.jsonl:6: not a trace record" in bad.stderr
     for out in (missing, empty, bad):
         assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+
+
+def test_a_run_without_steps_is_nothing_to_compare(runs, tmp_path):
+    copy = shutil.copytree(runs["a"].dir, tmp_path / "init-only")
+    first = (copy / "trace.jsonl").read_text().splitlines()[0]
+    (copy / "trace.jsonl").write_text(first + "\n")
+    for args in ([], ["--tolerance", "1"]):
+        out = repro("compare", str(runs["a"].dir), str(copy), *args)
+        assert out.returncode == 1 and out.stdout.startswith("nothing to compare")

@@ -179,12 +179,17 @@ def drop_checksum(path: Path) -> None:
     sidecar(path).unlink()
 
 
+def garble_checksum(path: Path) -> None:
+    sidecar(path).write_bytes(b"\xff\xfe\x00 not text")
+
+
 @pytest.mark.parametrize(
     "damage, message",
     [
         (truncate, "checksum mismatch (truncated or corrupted)"),
         (flip_bit, "checksum mismatch (truncated or corrupted)"),
         (drop_checksum, "no checksum file (the write was interrupted)"),
+        (garble_checksum, "checksum file damaged"),
     ],
 )
 def test_a_damaged_checkpoint_is_detected_and_resume_falls_back(
@@ -260,6 +265,7 @@ def test_a_checkpoint_from_another_environment_is_refused(killed, tmp_path):
     path = checkpoint_path(run_dir, 20)
     state = torch.load(path, weights_only=True)
     state["environment"] = {**state["environment"], "torch": "2.10.0", "gpu": "NVIDIA A100"}
+    state["device"] = "cuda:0"
     save_checkpoint(path, state)
     refused = resume(run_dir, SCENARIOS["mid-epoch"], check=False)
     assert refused.proc.returncode == 1
@@ -267,6 +273,7 @@ def test_a_checkpoint_from_another_environment_is_refused(killed, tmp_path):
         refused.proc.stderr
     )
     assert "environment.gpu: NVIDIA A100 (checkpoint)" in refused.proc.stderr
+    assert "device: cuda:0 (checkpoint) vs cpu (now)" in refused.proc.stderr
 
 
 def test_resume_from_another_run_directory_continues_its_logs(killed, straight, tmp_path):
@@ -360,3 +367,24 @@ def test_sigusr2_is_handed_to_a_launcher_that_listens_after_the_checkpoint(strai
     resumed = resume(run_dir, overrides)
     assert resumed.summary["resumes"][0]["step"] == stopped
     assert_same_as(resumed, straight("mid-epoch"))
+
+
+def test_resuming_into_another_run_or_a_pruned_run_is_refused(killed, straight, tmp_path):
+    run = straight("mid-epoch")
+    before = metrics(run.dir)
+    into = run_train(run.dir, *SCENARIOS["mid-epoch"], f"trainer.resume={killed}", check=False)
+    assert into.proc.returncode == 1 and "already holds a run" in into.proc.stderr
+    pruned = shutil.copytree(run.dir, tmp_path / "pruned")
+    shutil.rmtree(pruned / "checkpoints")
+    again = resume(pruned, SCENARIOS["mid-epoch"], check=False)
+    assert again.proc.returncode == 1 and "no checkpoints/ to resume from" in again.proc.stderr
+    assert metrics(run.dir) == before == metrics(pruned)
+
+
+def test_a_run_killed_after_its_last_checkpoint_gets_its_summary(straight, tmp_path):
+    run = straight("mid-epoch")
+    copy = shutil.copytree(run.dir, tmp_path / "end")
+    (copy / "summary.json").unlink()  # killed between the final checkpoint and the summary
+    done = resume(copy, SCENARIOS["mid-epoch"])
+    for key in ("weights_sha256", "final_loss", "val_loss", "val_accuracy", "steps"):
+        assert done.summary[key] == run.summary[key], key

@@ -149,3 +149,33 @@ def test_outliers_beyond_two_sd_are_flagged():
     stats = describe(values)
     flagged = outliers(jobs, "val_accuracy", stats)
     assert [f["seed"] for f in flagged] == [6] and flagged[0]["z"] < -2
+
+
+def test_a_diverged_seed_does_not_break_the_report(sequential, tmp_path):
+    copy = tmp_path / "nan"
+    subprocess.run(["cp", "-r", str(sequential), str(copy)], check=True)
+    job = next(copy.glob("1_*"))
+    rows = (job / "metrics.csv").read_text().splitlines()
+    rows[3:] = [
+        ",".join([r.split(",")[0], r.split(",")[1], "nan", "nan", r.split(",")[-1]])
+        for r in rows[3:]
+    ]
+    (job / "metrics.csv").write_text("\n".join(rows) + "\n")
+    summary = json.loads((job / "summary.json").read_text())
+    summary["final_loss"] = float("inf")
+    (job / "summary.json").write_text(json.dumps(summary))
+    report, text, _ = write_report(copy)
+    assert "no figure" not in text and report["figures"]
+    group = next(g for g in report["groups"] if any(j["job"] == job.name for j in g["jobs"]))
+    assert group["metrics"]["final_loss"]["n"] == 2  # inf left out of the statistics
+    assert group["metrics"]["val_accuracy"]["n"] == 3
+
+
+def test_resumed_jobs_stay_in_their_group(sequential, tmp_path):
+    copy = tmp_path / "resumed"
+    subprocess.run(["cp", "-r", str(sequential), str(copy)], check=True)
+    job = next(copy.glob("2_*"))
+    overrides = job / ".hydra" / "overrides.yaml"
+    overrides.write_text(overrides.read_text() + "- trainer.resume=auto\n")
+    report, _, _ = write_report(copy)
+    assert [len(g["jobs"]) for g in report["groups"]] == [3, 3]

@@ -92,6 +92,8 @@ def check_file(path: Path) -> tuple[bytes | None, str | None]:
         expected = sidecar(path).read_text().split()[0]
     except (OSError, IndexError):
         return None, "no checksum file (the write was interrupted)"
+    except ValueError:  # not text: the sidecar itself is damaged
+        return None, "checksum file damaged"
     if hashlib.sha256(data).hexdigest() != expected:
         return None, "checksum mismatch (truncated or corrupted)"
     return data, None
@@ -156,7 +158,7 @@ def rotate(run_dir: Path, keep: int) -> list[Path]:
     folder = Path(run_dir) / CHECKPOINT_DIR
     try:
         last_good = (folder / LAST_GOOD).read_text().strip()
-    except OSError:
+    except (OSError, ValueError):
         last_good = None
     deleted = []
     for _, path in list_checkpoints(run_dir)[keep:]:
@@ -193,7 +195,7 @@ RELEVANT_ENVIRONMENT = ("torch", "cuda", "cudnn", "gpu", "gpu_sm_count")
 
 
 def mismatches(
-    state: dict[str, Any], config: dict[str, Any], environment: dict[str, Any]
+    state: dict[str, Any], config: dict[str, Any], environment: dict[str, Any], device: str
 ) -> list[str]:
     """``key: checkpoint vs now`` for each determinism-relevant config or environment entry
     that differs between a checkpoint and this run."""
@@ -204,6 +206,8 @@ def mismatches(
             a, b = old.get(key, "(absent)"), new.get(key, "(absent)")
             if a != b:
                 out.append(f"{key}: {a} (checkpoint) vs {b} (now)")
+    if state.get("device", device) != device:
+        out.append(f"device: {state['device']} (checkpoint) vs {device} (now)")
     old_env = state.get("environment") or {}
     for key in RELEVANT_ENVIRONMENT:
         a, b = old_env.get(key), environment.get(key)

@@ -87,7 +87,11 @@ def cmd_rerun(args: argparse.Namespace) -> int:
         raise ReproError(f"{job}: no .hydra/overrides.yaml; give a job directory of a sweep.")
     from omegaconf import OmegaConf
 
-    overrides = [str(o) for o in OmegaConf.load(overrides_file)]
+    from repro.report import RUN_CONTROL, override_key
+
+    overrides = [
+        str(o) for o in OmegaConf.load(overrides_file) if override_key(str(o)) not in RUN_CONTROL
+    ]
     stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     out = Path(args.out) if args.out else job / "rerun" / stamp
     if out.exists() and any(out.iterdir()):

@@ -206,6 +206,9 @@ def _checkpoint_deviation(a: RunRecords, b: RunRecords) -> str | None:
 def compare_runs(a: RunRecords, b: RunRecords) -> Comparison:
     """Exact comparison: identical bits, or the first divergent step and what diverged."""
     common = min(a.last_step, b.last_step)
+    if common == 0:
+        short = a if a.last_step == 0 else b
+        return Comparison(False, [f"nothing to compare: {short.dir} has no optimizer step yet"])
     lines: list[str] = []
     first: tuple[int, list[str]] | None = None
     last_agreeing_digest = None
@@ -299,6 +302,9 @@ def compare_tolerance(a: RunRecords, b: RunRecords, rtol: float) -> Comparison:
     """Largest loss-curve and final-metric deviations; within ``rtol`` (relative; absolute for
     accuracies) or not."""
     common = min(a.last_step, b.last_step)
+    if common == 0:
+        short = a if a.last_step == 0 else b
+        return Comparison(False, [f"nothing to compare: {short.dir} has no optimizer step yet"])
     lines, ok = [], True
     worst = None
     for step in range(1, common + 1):

@@ -9,6 +9,7 @@ data and model, runs the steps, evaluates, and writes metrics, a checkpoint and
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 import math
@@ -218,11 +219,18 @@ class CsvLog:
     def __init__(self, path: Path, fields: list[str], resume_at: int | None = None) -> None:
         if resume_at is not None and path.is_file():
             with open(path, newline="") as f:
-                rows = [r for r in csv.reader(f)][1:]
-            kept = [r for r in rows if r and r[0].isdigit() and int(r[0]) <= resume_at]
-            self.file = open(path, "w", newline="")
+                rows = list(csv.reader(f))[1:]
+            kept, last = [], 0
+            for r in rows:  # the clean prefix: complete rows, steps rising, up to resume_at
+                if len(r) != len(fields) or not r[0].isdigit() or not last < int(r[0]) <= resume_at:
+                    break
+                kept.append(r)
+                last = int(r[0])
+            buf = io.StringIO()
+            csv.writer(buf).writerows([fields, *kept])
+            atomic_write(path, lambda f: f.write(buf.getvalue().encode()))
+            self.file = open(path, "a", newline="")
             self.writer = csv.writer(self.file)
-            self.writer.writerows([fields, *kept])
         else:
             self.file = open(path, "w", newline="")
             self.writer = csv.writer(self.file)
@@ -259,7 +267,8 @@ class PreemptionSignals:
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.received = signal.Signals(signum)
+        if self.received is None:  # the first notice decides (and is the one handed over)
+            self.received = signal.Signals(signum)
 
     def hand_over(self) -> None:
         """Call the handler that was there before us for the received signal, if any."""
@@ -287,7 +296,7 @@ def _keep_trace_prefix(path: Path, step: int) -> int:
             if record.get("step") != len(kept) or record["step"] > step:
                 break
             kept.append(line + "\n")
-    path.write_text("".join(kept))
+    atomic_write(path, lambda f: f.write("".join(kept).encode()))
     return len(kept) - 1
 
 
@@ -307,23 +316,36 @@ def _refuse_to_overwrite(run_dir: Path) -> None:
         )
 
 
-def _resume_point(cfg: DictConfig, run_dir: Path, config: dict[str, Any], env: dict[str, Any]):
+def _resume_point(
+    cfg: DictConfig, run_dir: Path, config: dict[str, Any], env: dict[str, Any], device: str
+):
     """(path, state, mismatches) to resume from, or None to start at step 0."""
     t = cfg.trainer
     if t.resume is None:
         _refuse_to_overwrite(run_dir)
         return None
     source = run_dir if str(t.resume) == "auto" else Path(str(t.resume)).expanduser()
+    source_run = source.parent if source.is_file() else source
+    if source_run.name == CHECKPOINT_DIR:
+        source_run = source_run.parent
+    if source_run.resolve() != run_dir.resolve():
+        _refuse_to_overwrite(run_dir)  # resuming another run writes here: it must be new
     for leftover in remove_partial_writes(run_dir):
         log.info(f"resume: removed {leftover.name}, a write interrupted before its rename")
     found = find_resume_point(source, log.warning)
     if found is None:
         if str(t.resume) != "auto":
             raise CheckpointError(f"{source}: holds no checkpoints/ to resume from.")
+        finished = [n for n in ("summary.json", str(t.checkpoint_name)) if (run_dir / n).exists()]
+        if finished:
+            raise CheckpointError(
+                f"{run_dir} holds a run ({', '.join(finished)}) but no checkpoints/ to resume "
+                "from; choose another hydra.run.dir (nothing was overwritten)."
+            )
         log.info(f"resume=auto: no checkpoint in {run_dir} yet; starting at step 0")
         return None
     path, state = found
-    differ = mismatches(state, config, env)
+    differ = mismatches(state, config, env, device)
     if differ and not t.resume_force:
         raise CheckpointError(
             f"{path} was written under another configuration or environment, so resuming "
@@ -359,7 +381,8 @@ def train(
 
     cfg_container, cfg_hash = resolved_container(cfg), config_hash(cfg)
     env = environment()
-    resume = _resume_point(cfg, run_dir, cfg_container, env)  # refuses before writing anything
+    # refuses before writing anything
+    resume = _resume_point(cfg, run_dir, cfg_container, env, str(device))
     start = int(resume[1]["step"]) if resume else 0
     if start > max_steps:
         raise CheckpointError(
@@ -385,11 +408,18 @@ def train(
     resumes: list[dict[str, Any]] = []
     if resume:
         path, state, differ = resume
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
-        scaler.load_state_dict(state["scaler"])
-        set_global_rng_states(state["rng"])
+        try:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            schedule.load_state_dict(state["schedule"])
+            scaler.load_state_dict(state["scaler"])
+            set_global_rng_states(state["rng"])
+        except (KeyError, RuntimeError, ValueError, TypeError) as err:
+            first = (str(err).strip().splitlines() or [""])[0][:200]
+            raise CheckpointError(
+                f"{path}: cannot be restored into this run ({type(err).__name__}: {first}); "
+                "resume with the settings it was written with."
+            ) from None
         resumes = [*state.get("resumes", []), {"from": str(path), "step": start, "forced": differ}]
         _copy_logs(
             path.parent.parent if path.parent.name == CHECKPOINT_DIR else path.parent, run_dir
@@ -422,6 +452,8 @@ def train(
     metrics = CsvLog(run_dir / "metrics.csv", ["step", "epoch", "loss", "grad_norm", "lr"], at)
     evals = CsvLog(run_dir / "eval.csv", ["step", "val_loss", "val_accuracy"], at)
     trace = None
+    if resume and not t.trace and (run_dir / TRACE_FILE).is_file():
+        _keep_trace_prefix(run_dir / TRACE_FILE, start)  # no records past the checkpoint
     if t.trace:
         if resume:
             kept = _keep_trace_prefix(run_dir / TRACE_FILE, start)
@@ -436,6 +468,10 @@ def train(
     pending: list[tuple[int, torch.Tensor, torch.Tensor, float, dict[str, Any]]] = []
     progress = Progress(max_steps, enabled=bool(t.progress), start=start)
     last_loss, val_loss, val_acc = float("nan"), float("nan"), float("nan")
+    if resume:  # the values the straight run would hold at this step
+        last = resume[1].get("last") or {}
+        last_loss = last.get("loss", last_loss)
+        val_loss, val_acc = last.get("val_loss", val_loss), last.get("val_accuracy", val_acc)
 
     def flush() -> None:
         nonlocal last_loss
@@ -471,6 +507,8 @@ def train(
                 "schedule": schedule.state_dict(),
                 "scaler": scaler.state_dict(),
                 "step": step,
+                "device": str(device),
+                "last": {"loss": last_loss, "val_loss": val_loss, "val_accuracy": val_acc},
                 "epoch": step // steps_per_epoch,
                 "position_in_epoch": step % steps_per_epoch,
                 "rng": global_rng_states(),
@@ -565,6 +603,8 @@ def train(
     loop_seconds = time.perf_counter() - t_loop
 
     final = checkpoint_path(run_dir, max_steps)
+    if not final.is_file():  # resumed at the last step from another directory
+        checkpoint(max_steps)
     final_copy = run_dir / str(t.checkpoint_name)
     shutil.copyfile(final, final_copy)  # the run's result, next to summary.json
     shutil.copyfile(sidecar(final), sidecar(final_copy))

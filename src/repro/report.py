@@ -27,6 +27,14 @@ from repro.checkpoint import list_checkpoints
 from repro.errors import ReproError
 
 METRICS = ("val_accuracy", "val_loss", "final_loss")
+# Overrides that say how a job was run, not what it computes (a resumed job records them).
+RUN_CONTROL = ("trainer.resume", "trainer.resume_force", "trainer.progress")
+
+
+def override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
 ERROR_FILE = "error.json"
 
 
@@ -64,7 +72,7 @@ class Job:
 
     @property
     def group(self) -> tuple[str, ...]:
-        return tuple(o for o in self.overrides if o.split("=", 1)[0].lstrip("+~") != "seed")
+        return tuple(o for o in self.overrides if override_key(o) not in ("seed", *RUN_CONTROL))
 
     def rerun_command(self) -> str:
         return f"repro rerun {self.dir}"
@@ -74,7 +82,10 @@ def _job_status(job_dir: Path) -> tuple[str, dict[str, Any], str]:
     if (job_dir / "summary.json").is_file():
         return "ok", json.loads((job_dir / "summary.json").read_text()), ""
     if (job_dir / ERROR_FILE).is_file():
-        err = json.loads((job_dir / ERROR_FILE).read_text())
+        try:
+            err = json.loads((job_dir / ERROR_FILE).read_text())
+        except ValueError:
+            return "failed", {}, f"{ERROR_FILE} is unreadable (cut short)"
         return "failed", {}, f"{err.get('type')}: {err.get('message')}"
     ckpts = list_checkpoints(job_dir)
     detail = (
@@ -162,7 +173,7 @@ def build_report(sweep_dir: Path) -> dict[str, Any]:
         metrics = {}
         for m in METRICS:
             values = [j.summary[m] for j in ok if isinstance(j.summary.get(m), (int, float))]
-            values = [v for v in values if not math.isnan(v)]
+            values = [v for v in values if math.isfinite(v)]
             stats = describe(values)
             stats["outliers"] = outliers(ok, m, stats)
             metrics[m] = stats
@@ -292,6 +303,7 @@ def plot(report: dict[str, Any], sweep_dir: Path) -> tuple[dict[int, str], str |
                     label=f"seed {j.seed}",
                 )
             common = sorted(set.intersection(*(set(c) for c in curves)))
+            common = [s for s in common if all(math.isfinite(c[s]) for c in curves)]
             if common and len(curves) > 1:
                 mean = [statistics.fmean(c[s] for c in curves) for s in common]
                 sd = [statistics.stdev(c[s] for c in curves) for s in common]
@@ -321,7 +333,12 @@ def write_report(sweep_dir: Path) -> tuple[dict[str, Any], str, list[Path]]:
     """Build the report and write report.md, report.json (and PNGs) into the sweep dir."""
     sweep_dir = Path(sweep_dir)
     report = build_report(sweep_dir)
-    figures, note = plot(report, sweep_dir)
+    (sweep_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")  # text first
+    (sweep_dir / "report.md").write_text(format_markdown(report, {}))
+    try:
+        figures, note = plot(report, sweep_dir)
+    except Exception as err:  # a figure is a bonus: never lose the text report to it
+        figures, note = {}, f"no figure ({type(err).__name__}: {err})"
     report["figures"] = list(figures.values())
     if note:
         report["note"] = note
