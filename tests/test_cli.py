@@ -34,3 +34,9 @@ def test_env_prints_the_fingerprint():
     out = repro("env")
     env = json.loads(out.stdout)
     assert {"torch", "python", "cuda", "gpu"} <= env.keys()
+
+
+def test_help_of_every_command_prints():
+    for command in ([], ["digest"], ["compare"], ["doctor"], ["report"], ["rerun"], ["env"]):
+        out = repro(*command, "--help")
+        assert out.returncode == 0 and "usage: repro" in out.stdout, (command, out.stderr)

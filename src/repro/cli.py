@@ -114,13 +114,18 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
+def _doc(func) -> str:
+    """A command's docstring as argparse help text (which treats % as a format character)."""
+    return (func.__doc__ or "").replace("%", "%%")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="repro", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("digest", help=cmd_digest.__doc__)
+    p = sub.add_parser("digest", help=_doc(cmd_digest))
     p.add_argument("path", help="checkpoint file, or a run directory holding checkpoint.pt")
     p.set_defaults(func=cmd_digest)
-    p = sub.add_parser("compare", help=cmd_compare.__doc__, description=cmd_compare.__doc__)
+    p = sub.add_parser("compare", help=_doc(cmd_compare), description=_doc(cmd_compare))
     p.add_argument("run_a", help="run directory (holds trace.jsonl, env.json)")
     p.add_argument("run_b", help="run directory to compare with")
     p.add_argument(
@@ -134,8 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_compare)
     p = sub.add_parser(
         "doctor",
-        help=cmd_doctor.__doc__,
-        description=cmd_doctor.__doc__ + " Exit 0 when strict mode is clean, 1 when not.",
+        help=_doc(cmd_doctor),
+        description=_doc(cmd_doctor) + " Exit 0 when strict mode is clean, 1 when not.",
     )
     p.add_argument(
         "overrides", nargs="*", help="the same overrides as train.py, e.g. model=resnet18"
@@ -143,14 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=4, help="forward+backward repeats (default 4)")
     p.add_argument("--config-dir", help="the conf/ directory (default: ./conf, else the project's)")
     p.set_defaults(func=cmd_doctor)
-    p = sub.add_parser("report", help=cmd_report.__doc__, description=cmd_report.__doc__)
+    p = sub.add_parser("report", help=_doc(cmd_report), description=_doc(cmd_report))
     p.add_argument("sweep_dir", help="the sweep's directory (multirun/<date>/<time>_<id>)")
     p.set_defaults(func=cmd_report)
-    p = sub.add_parser("rerun", help=cmd_rerun.__doc__, description=cmd_rerun.__doc__)
+    p = sub.add_parser("rerun", help=_doc(cmd_rerun), description=_doc(cmd_rerun))
     p.add_argument("job_dir", help="one job's directory inside a sweep directory")
     p.add_argument("--out", help="run directory for the re-run (default JOB_DIR/rerun/<time>)")
     p.set_defaults(func=cmd_rerun)
-    p = sub.add_parser("env", help=cmd_env.__doc__)
+    p = sub.add_parser("env", help=_doc(cmd_env))
     p.set_defaults(func=cmd_env)
     return parser
 
