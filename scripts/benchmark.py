@@ -1,0 +1,175 @@
+#!/usr/bin/env python
+"""Training throughput, strict vs fast, side by side in one process (issue 6's baseline).
+
+    python scripts/benchmark.py                       # on CUDA: both models, all variants
+    python scripts/benchmark.py --steps 60 --warmup 10 --repeats 2 --models convnet
+
+For each model (the default ConvNet at its default batch; the ResNet-18 preset at batch 256)
+and each variant (amp off/on x loader single/multi), determinism strict and fast alternate
+`--repeats` times. Throughput is images/s over the steps after `--warmup` (timed with CUDA
+synchronisation at both ends, evaluation excluded); the ratio strict / fast is of the
+medians. Every strict repeat's final weights digest is recorded: they must agree. Writes
+benchmarks/benchmark-<date>-<gpu>.md/.json with the versions and the exact command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from repro.config import compose  # noqa: E402
+from repro.determinism import pin_process_environment  # noqa: E402
+from repro.loop import train  # noqa: E402
+
+MODELS = {
+    "convnet": [],  # default batch 64 = 2 x 32
+    "resnet18": ["model=resnet18", "trainer.batch_size=256", "trainer.micro_batch_size=256"],
+}
+VARIANTS = [
+    ("fp32", "single", ["amp=off", "loader=single"]),
+    ("fp32", "multi", ["amp=off", "loader=multi"]),
+    ("bf16", "single", ["amp=on", "loader=single"]),
+    ("bf16", "multi", ["amp=on", "loader=multi"]),
+]
+
+
+def timed_run(overrides: list[str], steps: int, warmup: int, where: Path) -> dict:
+    cfg = compose(
+        [
+            f"trainer.max_steps={steps}",
+            f"trainer.eval_every={steps}",
+            "trainer.progress=false",
+            "trainer.checkpoint_every=0",
+            *overrides,
+        ],
+        ROOT / "conf",
+    )
+    marks: dict[int, float] = {}
+
+    def after_step(step: int, model: torch.nn.Module) -> None:
+        if step in (warmup, steps):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            marks[step] = time.perf_counter()
+
+    summary = train(cfg, where, after_step=after_step)
+    images = (steps - warmup) * int(cfg.trainer.batch_size)
+    return {
+        "images_per_second": images / (marks[steps] - marks[warmup]),
+        "weights": summary["weights_sha256"],
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks")
+    args = p.parse_args()
+    if not 0 < args.warmup < args.steps:
+        p.error("need 0 < --warmup < --steps")
+    logging.getLogger("repro").setLevel(logging.WARNING)
+    pin_process_environment(compose([], ROOT / "conf").determinism)  # strict needs it pinned
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        n = 0
+        timed_run(MODELS[args.models[0]], args.warmup + 5, args.warmup, Path(tmp) / "warm")
+        for model in args.models:
+            for amp, loader, variant in VARIANTS:
+                res: dict[str, list[dict]] = {"strict": [], "fast": []}
+                for i in range(args.repeats):
+                    for mode in ("strict", "fast") if i % 2 == 0 else ("fast", "strict"):
+                        n += 1
+                        r = timed_run(
+                            [*MODELS[model], *variant, f"determinism={mode}"],
+                            args.steps,
+                            args.warmup,
+                            Path(tmp) / f"run{n}",
+                        )
+                        res[mode].append(r)
+                        print(
+                            f"{model:8} {amp} {loader:6} {mode:6} {i + 1}/{args.repeats}: "
+                            f"{r['images_per_second']:9.0f} img/s  {r['weights'][:12]}",
+                            flush=True,
+                        )
+                ips = {m: [r["images_per_second"] for r in v] for m, v in res.items()}
+                med = {m: statistics.median(v) for m, v in ips.items()}
+                rows.append(
+                    {
+                        "model": model,
+                        "amp": amp,
+                        "loader": loader,
+                        "images_per_second": ips,
+                        "median": med,
+                        "strict_over_fast": med["strict"] / med["fast"],
+                        "strict_distinct_weights": len({r["weights"] for r in res["strict"]}),
+                        "fast_distinct_weights": len({r["weights"] for r in res["fast"]}),
+                    }
+                )
+
+    from repro.trace import environment
+
+    env = environment()
+    command = "python scripts/benchmark.py " + shlex.join(sys.argv[1:])
+    today = dt.date.today().isoformat()
+    record = {
+        "date": today,
+        "command": command,
+        "environment": env,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "rows": rows,
+    }
+    lines = [
+        f"# Throughput, strict vs fast, {today}",
+        "",
+        f"`{command}`",
+        "",
+        f"Device {env.get('gpu') or 'CPU ' + str(env.get('cpu'))} (driver {env.get('gpu_driver')}), "
+        f"torch {env.get('torch')}, CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')}. "
+        f"{args.steps} steps per run, images/s over the last {args.steps - args.warmup} "
+        f"(evaluation excluded); {args.repeats} repeats per mode, alternated, one process.",
+        "",
+        "| model | amp | loader | strict img/s (min–max) | fast img/s (min–max) | strict / fast "
+        "| strict digests | fast digests |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        s, f = r["images_per_second"]["strict"], r["images_per_second"]["fast"]
+        lines.append(
+            f"| {r['model']} | {r['amp']} | {r['loader']} | {r['median']['strict']:.0f} "
+            f"({min(s):.0f}–{max(s):.0f}) | {r['median']['fast']:.0f} ({min(f):.0f}–{max(f):.0f})"
+            f" | {r['strict_over_fast']:.3f} | {r['strict_distinct_weights']} | "
+            f"{r['fast_distinct_weights']} |"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"benchmark-{today}-{(env.get('gpu') or 'cpu').replace(' ', '_')}"
+    (args.out / f"{stem}.md").write_text(text)
+    (args.out / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {args.out / stem}.md/.json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
