@@ -26,6 +26,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from _results import write_results  # noqa: E402
 
 
 def train(run_dir: Path, mode: str, args: argparse.Namespace) -> dict:
@@ -128,12 +131,7 @@ def main() -> int:
         + "; ".join(f"{r['mode']}: {', '.join(repr(v) for v in r['final_loss'])}" for r in rows),
     ]
     text = "\n".join(lines) + "\n"
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"drift-{today}-{(env.get('gpu') or 'cpu').replace(' ', '_')}"
-    (args.out / f"{stem}.md").write_text(text)
-    (args.out / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {args.out / stem}.md/.json")
+    write_results(args.out, "drift", today, env, text, record)
     return 0
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import logging
 import shlex
 import statistics
@@ -25,6 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+
+from _results import write_results  # noqa: E402
 
 from repro.config import compose  # noqa: E402
 from repro.determinism import pin_process_environment  # noqa: E402
@@ -114,12 +115,7 @@ def main() -> int:
         "change the bits).",
     ]
     text = "\n".join(lines) + "\n"
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"trace-overhead-{today}-{(env.get('gpu') or 'cpu').replace(' ', '_')}"
-    (args.out / f"{stem}.md").write_text(text)
-    (args.out / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {args.out / stem}.md/.json")
+    write_results(args.out, "trace-overhead", today, env, text, record)
     return 0
 
 

@@ -143,6 +143,18 @@ def context_differences(a: RunRecords, b: RunRecords) -> tuple[list[str], list[s
     return config, env
 
 
+def _listing(config: list[str], env: list[str], suffix: str = "") -> list[str]:
+    """The config and environment differences as indented lines (at most _MAX_LISTED each)."""
+    lines = []
+    for what, items in (("config", config), ("environment", env)):
+        if items:
+            lines.append(f"  {what} differs ({len(items)}){suffix}:")
+            lines += [f"    {item}" for item in items[:_MAX_LISTED]]
+            if len(items) > _MAX_LISTED:
+                lines.append(f"    … and {len(items) - _MAX_LISTED} more")
+    return lines
+
+
 def _fmt(x: Any) -> str:
     return f"{x:.10g}" if isinstance(x, float) else str(x)
 
@@ -234,12 +246,7 @@ def compare_runs(a: RunRecords, b: RunRecords) -> Comparison:
             last = max((i for i in range(common + 1) if "weights_sha256" in a.steps[i]), default=0)
             weights = f"{a.steps[last]['weights_sha256']} (last digest: step {last})"
         lines.append(f"identical: {common} steps, weights {weights}{length_note}")
-        if config:
-            lines.append(f"  config differs ({len(config)}), the bits do not:")
-            lines += [f"    {c}" for c in config[:_MAX_LISTED]]
-        if env:
-            lines.append(f"  environment differs ({len(env)}), the bits do not:")
-            lines += [f"    {e}" for e in env[:_MAX_LISTED]]
+        lines += _listing(config, env, ", the bits do not")
         lines += [f"  note: {n}" for n in a.notes + b.notes]
         return Comparison(True, lines)
 
@@ -256,16 +263,7 @@ def compare_runs(a: RunRecords, b: RunRecords) -> Comparison:
     ckpt = _checkpoint_deviation(a, b) if a.last_step == b.last_step else None
     if ckpt:
         lines.append(f"  {ckpt}")
-    if config:
-        lines.append(f"  config differs ({len(config)}):")
-        lines += [f"    {c}" for c in config[:_MAX_LISTED]]
-        if len(config) > _MAX_LISTED:
-            lines.append(f"    … and {len(config) - _MAX_LISTED} more")
-    if env:
-        lines.append(f"  environment differs ({len(env)}):")
-        lines += [f"    {e}" for e in env[:_MAX_LISTED]]
-        if len(env) > _MAX_LISTED:
-            lines.append(f"    … and {len(env) - _MAX_LISTED} more")
+    lines += _listing(config, env)
     if not config and not [e for e in env if not e.startswith(_VOLATILE)]:
         lines.append("  same config and environment: a nondeterministic op? try `repro doctor`")
     lines += [f"  note: {n}" for n in a.notes + b.notes]
@@ -343,13 +341,7 @@ def compare_tolerance(a: RunRecords, b: RunRecords, rtol: float) -> Comparison:
     verdict = "within" if ok else "outside"
     lines.append(f"{verdict} tolerance {rtol:g}{length_note}")
     lines += detail
-    config, env = context_differences(a, b)
-    if config:
-        lines.append(f"  config differs ({len(config)}):")
-        lines += [f"    {c}" for c in config[:_MAX_LISTED]]
-    if env:
-        lines.append(f"  environment differs ({len(env)}):")
-        lines += [f"    {e}" for e in env[:_MAX_LISTED]]
+    lines += _listing(*context_differences(a, b))
     lines += [f"  note: {n}" for n in a.notes + b.notes]
     return Comparison(ok, lines)
 
