@@ -395,7 +395,7 @@ def train(
     report = apply_determinism(cfg, device)  # layers 0-2, before model and loader exist
     report.save(run_dir)
     log.info(report.format())
-    fingerprint = run_fingerprint(cfg_container, cfg_hash)  # flags read back, now in effect
+    fingerprint = run_fingerprint(cfg_container, cfg_hash, env)  # flags read back, in effect
     _write_json(run_dir / (ENV_FILE if not resume else f"env-resume-{start}.json"), fingerprint)
 
     splits: DataSplits = instantiate_group(cfg.data, "data")
@@ -523,6 +523,7 @@ def train(
         rotate(run_dir, keep)
         return path
 
+    final_weights: str | None = None
     model.train()
     batches = iter(loader)
     t_loop = time.perf_counter()
@@ -561,6 +562,7 @@ def train(
                     extra["tensors"], extra["weights_sha256"] = state_digests(model.state_dict())
                 if done == max_steps:
                     extra["final"] = True
+                    final_weights = extra.get("weights_sha256")  # digested just above if traced
                 pending.append((done, loss, grad_norm, lr, extra))
                 if done % int(t.eval_every) == 0 or done == max_steps:
                     val_loss, val_acc = evaluate(
@@ -608,7 +610,7 @@ def train(
     final_copy = run_dir / str(t.checkpoint_name)
     shutil.copyfile(final, final_copy)  # the run's result, next to summary.json
     shutil.copyfile(sidecar(final), sidecar(final_copy))
-    weights = state_dict_sha256(model.state_dict())
+    weights = final_weights or state_dict_sha256(model.state_dict())
     summary = {
         "weights_sha256": weights,
         "steps": max_steps,

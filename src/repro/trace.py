@@ -172,10 +172,13 @@ def git_state(path: Path | None = None) -> dict[str, Any]:
     }
 
 
-def run_fingerprint(config: dict[str, Any], config_hash: str) -> dict[str, Any]:
-    """``env.json``: everything outside the code's own logic that can change the bits."""
+def run_fingerprint(
+    config: dict[str, Any], config_hash: str, env: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """``env.json``: everything outside the code's own logic that can change the bits.
+    ``env``: :func:`environment`'s result, when the caller has it already."""
     return {
-        "environment": environment(),
+        "environment": env if env is not None else environment(),
         "flags": determinism_flags(),
         "env_vars": relevant_env_vars(),
         "git": git_state(),
