@@ -12,7 +12,8 @@ from omegaconf import DictConfig
 
 from repro.checkpoint import atomic_write
 from repro.config import check_overrides
-from repro.errors import ReproError, exit_with
+from repro.dist import shutdown
+from repro.errors import Preempted, ReproError, exit_with
 from repro.loop import train
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
@@ -25,6 +26,9 @@ def main(cfg: DictConfig) -> float:
     (run_dir / "error.json").unlink(missing_ok=True)  # from an earlier attempt of this job
     try:
         summary = train(cfg, run_dir)
+    except Preempted:
+        shutdown()  # every rank stopped after the same step, past a barrier
+        raise
     except Exception as err:
         if hydra_cfg.mode != RunMode.MULTIRUN:
             if isinstance(err, ReproError):
@@ -41,6 +45,7 @@ def main(cfg: DictConfig) -> float:
         atomic_write(run_dir / "error.json", lambda f: f.write(text.encode()))
         print(f"error: job {hydra_cfg.job.num} ({run_dir.name}): {err}", file=sys.stderr)
         raise
+    shutdown()  # leave the process group (torchrun)
     return summary["val_accuracy"]
 
 

@@ -58,8 +58,14 @@ def user_env(pinned: bool = True, **extra: str) -> dict[str, str]:
     return env
 
 
-def train_cmd(*overrides: str) -> list[str]:
-    return [sys.executable, str(ROOT / "train.py"), *overrides]
+def train_cmd(*overrides: str, nproc: int | None = None) -> list[str]:
+    """``python train.py ...``; with ``nproc``, under ``torchrun --nproc_per_node=nproc``."""
+    launcher = (
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        if nproc
+        else []
+    )
+    return [sys.executable, *launcher, str(ROOT / "train.py"), *overrides]
 
 
 def run_train(
@@ -68,9 +74,10 @@ def run_train(
     check: bool = True,
     cwd: Path | None = None,
     env: dict[str, str] | None = None,
+    nproc: int | None = None,
 ) -> Run:
     proc = subprocess.run(
-        train_cmd(f"hydra.run.dir={run_dir}", *overrides),
+        train_cmd(f"hydra.run.dir={run_dir}", *overrides, nproc=nproc),
         cwd=cwd or run_dir.parent,
         env=env or user_env(),
         capture_output=True,

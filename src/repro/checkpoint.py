@@ -206,8 +206,9 @@ def mismatches(
             a, b = old.get(key, "(absent)"), new.get(key, "(absent)")
             if a != b:
                 out.append(f"{key}: {a} (checkpoint) vs {b} (now)")
-    if state.get("device", device) != device:
-        out.append(f"device: {state['device']} (checkpoint) vs {device} (now)")
+    written_on = torch.device(state.get("device", device)).type  # cuda:1 and cuda are one kind
+    if written_on != torch.device(device).type:
+        out.append(f"device: {written_on} (checkpoint) vs {torch.device(device).type} (now)")
     old_env = state.get("environment") or {}
     for key in RELEVANT_ENVIRONMENT:
         a, b = old_env.get(key), environment.get(key)

@@ -61,6 +61,24 @@ class Schedule(StrEnum):
     cosine = "cosine"
 
 
+class DistBackend(StrEnum):
+    """``auto``: NCCL for CUDA tensors (gloo alongside for small CPU messages), gloo on CPU."""
+
+    auto = "auto"
+    nccl = "nccl"
+    gloo = "gloo"
+
+
+class Reduction(StrEnum):
+    """How the ranks combine their gradients. ``ordered``: all-gather the partial sums and
+    finish the fixed tree on every rank (the bits do not depend on the world size).
+    ``all_reduce``: one all-reduce, as plain DDP does (repeatable with pinned NCCL settings,
+    but 1, 2 and 4 processes differ in the last bits): for measuring what ``ordered`` costs."""
+
+    ordered = "ordered"
+    all_reduce = "all_reduce"
+
+
 @dataclass
 class DeterminismConfig:
     mode: DeterminismMode = DeterminismMode.strict
@@ -77,6 +95,8 @@ class DeterminismConfig:
     cudnn_benchmark: bool = False
     allow_tf32: bool = False
     fill_uninitialized_memory: bool = True
+    # set in every process before NCCL starts (multi-GPU runs; recorded in the report)
+    nccl_env: dict[str, str] = field(default_factory=lambda: {"NCCL_NVLS_ENABLE": "0"})
 
 
 @dataclass
@@ -126,6 +146,15 @@ class TrainerConfig:
 
 
 @dataclass
+class DistConfig:
+    """Multi-process runs under ``torchrun`` (one process: ignored)."""
+
+    backend: DistBackend = DistBackend.auto
+    reduction: Reduction = Reduction.ordered
+    timeout_s: int = 1800  # a collective waiting longer than this fails the run
+
+
+@dataclass
 class TrainConfig:
     seed: int = 0
     device: str = "auto"
@@ -134,6 +163,7 @@ class TrainConfig:
     amp: AmpConfig = field(default_factory=AmpConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
     # Models and datasets arrive by ``_target_``: any keys, checked in validate().
     model: Any = MISSING
     data: Any = MISSING
@@ -229,6 +259,11 @@ def validate(cfg: DictConfig) -> None:
             f"trainer.micro_batch_size={t.micro_batch_size}; choose a batch size that is a "
             "multiple of the micro-batch size (a step is K equal micro-batches)."
         )
+    if cfg.dist.timeout_s < 1:
+        _fail("dist.timeout_s", cfg.dist.timeout_s, "an integer >= 1 (seconds)")
+    for name in d.nccl_env:
+        if not str(name).startswith("NCCL_"):
+            _fail("determinism.nccl_env", name, "names of NCCL_* environment variables")
     if ld.num_workers < 0:
         _fail("loader.num_workers", ld.num_workers, "an integer >= 0 (0 loads in the main process)")
     if ld.prefetch_factor is not None and ld.prefetch_factor < 1:

@@ -257,7 +257,9 @@ class KeyedBatchSampler:
     divmod(s, steps_per_epoch)``), keyed by ``(seed, "order", e)``; the tail of an epoch that
     does not fill a global batch is dropped. Each step is split into K = B/m micro-batches.
     Where a step's samples come from is a pure function of the step: resuming is starting
-    at another ``start_step``.
+    at another ``start_step``. ``shard=(first, count)`` yields only micro-batches ``first ...
+    first + count - 1`` of each step: a process's share under torchrun (no sample is padded
+    or repeated; the shares partition the global batch).
     """
 
     def __init__(
@@ -267,6 +269,7 @@ class KeyedBatchSampler:
         micro_batch_size: int,
         seed: int,
         start_step: int = 0,
+        shard: tuple[int, int] | None = None,
     ) -> None:
         if dataset_size < batch_size:
             raise DataError(
@@ -275,6 +278,7 @@ class KeyedBatchSampler:
             )
         self.n, self.batch_size, self.micro = dataset_size, batch_size, micro_batch_size
         self.seed, self.start_step = seed, start_step
+        self.first, self.count = shard or (0, batch_size // micro_batch_size)
         self.steps_per_epoch = dataset_size // batch_size
         self._cached_epoch, self._cached_perm = -1, []
 
@@ -293,8 +297,8 @@ class KeyedBatchSampler:
         step = self.start_step
         while True:
             keys = self.step_keys(step)
-            for k in range(0, self.batch_size, self.micro):
-                yield keys[k : k + self.micro]
+            for k in range(self.first, self.first + self.count):
+                yield keys[k * self.micro : (k + 1) * self.micro]
             step += 1
 
 
@@ -315,8 +319,10 @@ def make_train_loader(
     loader_cfg,
     pin_memory: bool,
     start_step: int = 0,
+    shard: tuple[int, int] | None = None,
 ) -> DataLoader:
-    """A DataLoader over micro-batches of the training split (infinite; the loop counts)."""
+    """A DataLoader over micro-batches of the training split (infinite; the loop counts);
+    ``shard=(first, count)``: only those micro-batches of each step (this rank's share)."""
     workers = int(loader_cfg.num_workers)
     extra = {}
     if workers > 0:
@@ -326,7 +332,7 @@ def make_train_loader(
     return DataLoader(
         KeyedAugmentDataset(splits.train, seed, splits.augment),
         batch_sampler=KeyedBatchSampler(
-            len(splits.train), batch_size, micro_batch_size, seed, start_step
+            len(splits.train), batch_size, micro_batch_size, seed, start_step, shard
         ),
         num_workers=workers,
         pin_memory=pin_memory,

@@ -116,14 +116,26 @@ class PrepareRunCallback(Callback):
     nothing behind."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from repro import dist
+
         try:
             validate(config)
             pin_process_environment(config.determinism)
+            # under torchrun: join the process group and agree on one run directory
+            world = dist.init(config.dist, dict(config.determinism.nccl_env), str(config.device))
+            dist.join_hydra_run(config, world)
         except ReproError as err:
             exit_with(err)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from repro import dist
+
         try:
+            if dist.launched_world().distributed:
+                raise ConfigError(
+                    "a sweep (-m) cannot run under torchrun: start one torchrun per job "
+                    "(for s in 0 1 2; do torchrun ... train.py seed=$s; done)."
+                )
             validate(config)
             validate_sweep_jobs(config)
             pin_process_environment(config.determinism)
@@ -247,6 +259,11 @@ def _layer0_process(report: DeterminismReport, dcfg: DictConfig, device: torch.d
         note="'1' silently turns TF32 on",
     )
     report.add(name, "re-executed to pin the environment", bool(os.environ.get(REEXEC_MARKER)))
+    if os.environ.get("WORLD_SIZE", "1") != "1" and device.type == "cuda":
+        for var, value in dcfg.nccl_env.items():
+            report.add(
+                name, var, os.environ.get(var), str(value), note="read when NCCL starts"
+            )
 
 
 def _layer1_cpu(report: DeterminismReport, cfg: DictConfig) -> None:

@@ -7,6 +7,7 @@ still printed without a traceback.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import NoReturn
 
@@ -29,12 +30,26 @@ class DataError(ReproError):
     """A dataset that cannot be read or built."""
 
 
+class FromRank0(ReproError):
+    """Raised on ranks > 0 of a torchrun for an error that rank 0 met and reported."""
+
+
 def exit_with(error: ReproError) -> NoReturn:
     """Print a user error as its one line on stderr and exit 1.
 
     ``SystemExit`` rather than the exception itself: Hydra turns exceptions raised in a
-    callback into warnings and goes on, but lets ``SystemExit`` through."""
-    print(f"error: {error}", file=sys.stderr)
+    callback into warnings and goes on, but lets ``SystemExit`` through. Under torchrun the
+    line names the rank and also goes into torchrun's error file, so its failure summary
+    shows it; an error rank 0 reported is not repeated by the other ranks."""
+    if isinstance(error, FromRank0):
+        raise SystemExit(1)
+    world_size = os.environ.get("WORLD_SIZE", "1")
+    rank = f"[rank {os.environ.get('RANK', '?')}/{world_size}] " if world_size != "1" else ""
+    print(f"error: {rank}{error}", file=sys.stderr)
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(error)
     raise SystemExit(1)
 
 

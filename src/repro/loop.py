@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,9 +44,22 @@ from repro.checkpoint import (
 from repro.config import config_hash, resolved_container, validate
 from repro.data import DataSplits, DeviceNormalizer, make_train_loader
 from repro.determinism import apply_determinism
+from repro.dist import (
+    StopVote,
+    World,
+    all_gather_cpu,
+    barrier,
+    broadcast_object,
+    check_same,
+    device_for,
+    on_main,
+)
+from repro.dist import init as init_world
 from repro.errors import PREEMPTED_EXIT_CODE, CheckpointError, ConfigError, Preempted, ReproError
 from repro.progress import Progress
+from repro.reduction import Reducer, add_partials, check_split, share, tree_reduce
 from repro.rng import derive_seed, global_rng_states, seed_forward, set_global_rng_states
+from repro.running_stats import RunningStats
 from repro.trace import (
     ENV_FILE,
     TRACE_FILE,
@@ -60,28 +73,12 @@ from repro.trace import (
 
 log = logging.getLogger("repro")
 CHECKPOINT_FORMAT = "repro.checkpoint.v1"
-T = TypeVar("T")
 
 
-def tree_reduce(lo: int, hi: int, leaf: Callable[[int], T], add: Callable[[T, T], T]) -> T:
-    """Sum ``leaf(lo) + ... + leaf(hi - 1)`` as a fixed binary tree (split at the midpoint).
-
-    Leaves are evaluated in order, left to right; at most ceil(log2 K) + 1 partial sums (one
-    gradient copy each) are alive at once.
-    Any contiguous power-of-two share of the leaves is a whole subtree, so processes that
-    each own such a share can compute their subtree and combine in the same shape."""
-    if hi - lo == 1:
-        return leaf(lo)
-    mid = lo + (hi - lo) // 2
-    left = tree_reduce(lo, mid, leaf, add)
-    return add(left, tree_reduce(mid, hi, leaf, add))
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` -> cuda when available, else cpu (``validate`` has checked the others)."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+def resolve_device(name: str, world: World | None = None) -> torch.device:
+    """``auto`` -> cuda when available, else cpu (``validate`` has checked the others); under
+    torchrun, rank r's GPU is ``cuda:LOCAL_RANK``."""
+    return device_for(name, world or World())
 
 
 def instantiate_group(node: DictConfig, group: str, **kwargs: Any) -> Any:
@@ -156,28 +153,37 @@ def train_step(
     seed: int,
     batch_size: int,
     autocast: Callable[[], AbstractContextManager],
+    first: int = 0,
+    reducer: Reducer | None = None,
+    running_stats: RunningStats | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over K micro-batches. Returns (loss, grad norm) as device tensors.
 
     Each micro-batch's loss is its summed cross-entropy / B, so the tree sum of the K
-    gradients is the gradient of the mean loss over the global batch."""
+    gradients is the gradient of the mean loss over the global batch. Under torchrun this
+    process holds micro-batches ``first, first + 1, ...`` (a whole subtree) and ``reducer``
+    combines the ranks' partial sums; BatchNorm statistics are folded in afterwards, in
+    micro-batch order (:class:`RunningStats`)."""
     params = [p for p in model.parameters() if p.requires_grad]
     device = params[0].device
+    stats = running_stats or RunningStats(nn.Module())
+    recorded: list[list[torch.Tensor]] = []
 
     def leaf(k: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        images, labels = micro_batches[k]
+        images, labels = micro_batches[k - first]
         seed_forward(device, seed, step, k)  # dropout masks keyed by (seed, step, k)
-        with autocast():
+        with autocast(), stats.capture() as batch_stats:
             logits = model(images)
+        recorded.append(batch_stats)
         loss = F.cross_entropy(logits.float(), labels, reduction="sum") / batch_size
         grads = torch.autograd.grad(scaler.scale(loss), params, materialize_grads=True)
         return loss.detach(), list(grads)
 
-    def add(a, b):
-        torch._foreach_add_(a[1], b[1])
-        return a[0] + b[0], a[1]
-
-    loss, grads = tree_reduce(0, len(micro_batches), leaf, add)
+    loss, grads = tree_reduce(first, first + len(micro_batches), leaf, add_partials)
+    if reducer is not None:
+        loss, grads, recorded = reducer(loss, grads, recorded)
+    if stats:
+        stats.update(recorded)
     for p, g in zip(params, grads, strict=True):
         p.grad = g
     scaler.unscale_(optimizer)  # a no-op unless fp16
@@ -302,7 +308,7 @@ def _keep_trace_prefix(path: Path, step: int) -> int:
 
 def _copy_logs(source: Path, run_dir: Path) -> None:
     """Resuming from another run's directory: start from its logs."""
-    for name in (TRACE_FILE, "metrics.csv", "eval.csv"):
+    for name in (TRACE_FILE, "metrics.csv", "eval.csv", ENV_FILE):
         if (source / name).is_file() and source.resolve() != run_dir.resolve():
             shutil.copyfile(source / name, run_dir / name)
 
@@ -369,37 +375,57 @@ def train(
     With ``trainer.resume`` set, continue from a checkpoint: the weights, trace and metrics
     are those the uninterrupted run produces. ``after_step(step, model)``, if given, is called
     after each optimizer step (1-based), before that step's digests are taken: a hook for
-    instrumentation and for tests."""
+    instrumentation and for tests.
+
+    Under ``torchrun`` every rank calls this with the same ``run_dir``: each computes its
+    share of every step's micro-batches, and only rank 0 writes files. The bits are those of
+    one process (:mod:`repro.reduction`)."""
     t_start = time.perf_counter()
     validate(cfg)
+    world = init_world(cfg.dist, dict(cfg.determinism.nccl_env), str(cfg.device))
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    device = resolve_device(str(cfg.device))
+    device = resolve_device(str(cfg.device), world)
     seed, t = int(cfg.seed), cfg.trainer
     max_steps, trace_every = int(t.max_steps), int(t.trace_every)
     checkpoint_every, keep = int(t.checkpoint_every), int(t.keep_checkpoints)
+    k_micro = int(t.batch_size) // int(t.micro_batch_size)
+    check_split(k_micro, world)
+    first, count = share(k_micro, world)
 
     cfg_container, cfg_hash = resolved_container(cfg), config_hash(cfg)
-    env = environment()
-    # refuses before writing anything
-    resume = _resume_point(cfg, run_dir, cfg_container, env, str(device))
-    start = int(resume[1]["step"]) if resume else 0
-    if start > max_steps:
-        raise CheckpointError(
-            f"{resume[0]} is at step {start}, beyond trainer.max_steps={max_steps}."
-        )
-    if resume and start == max_steps and (run_dir / "summary.json").is_file():
+    env = {**environment(), "world_size": world.size, "dist_backend": world.backend}
+
+    def prepare() -> tuple[Any, dict[str, Any] | None]:
+        """(resume point or None, the summary of a run that is already complete)."""
+        run_dir.mkdir(parents=True, exist_ok=True)
+        found = _resume_point(cfg, run_dir, cfg_container, env, device.type)
+        at = int(found[1]["step"]) if found else 0
+        if at > max_steps:
+            raise CheckpointError(
+                f"{found[0]} is at step {at}, beyond trainer.max_steps={max_steps}."
+            )
+        if found and at == max_steps and (run_dir / "summary.json").is_file():
+            return found, json.loads((run_dir / "summary.json").read_text())
+        return found, None
+
+    # rank 0 looks at the run directory (and refuses before writing anything); every rank
+    # gets the checkpoint it chose
+    resume, finished = on_main(prepare, world)
+    if finished is not None:
         log.info(f"{run_dir}: already complete ({max_steps} steps); nothing to resume")
-        return json.loads((run_dir / "summary.json").read_text())
+        return finished
+    start = int(resume[1]["step"]) if resume else 0
 
     report = apply_determinism(cfg, device)  # layers 0-2, before model and loader exist
-    report.save(run_dir)
-    log.info(report.format())
     fingerprint = run_fingerprint(cfg_container, cfg_hash, env)  # flags read back, in effect
-    _write_json(run_dir / (ENV_FILE if not resume else f"env-resume-{start}.json"), fingerprint)
+    if world.main:
+        report.save(run_dir)
+        log.info(report.format())
+        _write_json(run_dir / (ENV_FILE if not resume else f"env-resume-{start}.json"), fingerprint)
 
     splits: DataSplits = instantiate_group(cfg.data, "data")
     model = build_model(cfg, splits, device)
+    running_stats = RunningStats(model)
     optimizer = build_optimizer(model, cfg.optim)
     schedule = build_schedule(optimizer, cfg.optim, max_steps)
     fp16 = bool(cfg.amp.enabled) and str(cfg.amp.dtype) == "float16"
@@ -415,16 +441,21 @@ def train(
             scaler.load_state_dict(state["scaler"])
             set_global_rng_states(state["rng"])
         except (KeyError, RuntimeError, ValueError, TypeError) as err:
-            first = (str(err).strip().splitlines() or [""])[0][:200]
+            first_line = (str(err).strip().splitlines() or [""])[0][:200]
             raise CheckpointError(
-                f"{path}: cannot be restored into this run ({type(err).__name__}: {first}); "
-                "resume with the settings it was written with."
+                f"{path}: cannot be restored into this run ({type(err).__name__}: "
+                f"{first_line}); resume with the settings it was written with."
             ) from None
-        resumes = [*state.get("resumes", []), {"from": str(path), "step": start, "forced": differ}]
-        _copy_logs(
-            path.parent.parent if path.parent.name == CHECKPOINT_DIR else path.parent, run_dir
-        )
+        resumes = [
+            *state.get("resumes", []),
+            {"from": str(path), "step": start, "forced": differ, "world_size": world.size},
+        ]
+        if world.main:
+            _copy_logs(
+                path.parent.parent if path.parent.name == CHECKPOINT_DIR else path.parent, run_dir
+            )
         log.info(f"resumed from {path} at step {start}")
+        del state
 
     def autocast() -> AbstractContextManager:
         return torch.autocast(device.type, dtype=amp_dtype, enabled=bool(cfg.amp.enabled))
@@ -437,41 +468,47 @@ def train(
         cfg.loader,
         pin_memory=bool(cfg.loader.pin_memory) and device.type == "cuda",
         start_step=start,
+        shard=(first, count),
     )
     steps_per_epoch = loader.batch_sampler.steps_per_epoch
     normalize = DeviceNormalizer(splits, device)
-    k_micro = int(t.batch_size) // int(t.micro_batch_size)
+    reducer = Reducer(world, str(cfg.dist.reduction)) if world.distributed else None
     n_params = sum(p.numel() for p in model.parameters())
+    split = f" ({count} on each of {world.size} processes)" if world.distributed else ""
     log.info(
         f"model {type(model).__name__} ({n_params:,} parameters) on {device}; "
         f"{len(splits.train)} train / {len(splits.val)} val samples; "
-        f"batch {t.batch_size} = {k_micro} x {t.micro_batch_size}; {max_steps} steps"
+        f"batch {t.batch_size} = {k_micro} x {t.micro_batch_size}{split}; {max_steps} steps"
     )
 
     at = start if resume else None
-    metrics = CsvLog(run_dir / "metrics.csv", ["step", "epoch", "loss", "grad_norm", "lr"], at)
-    evals = CsvLog(run_dir / "eval.csv", ["step", "val_loss", "val_accuracy"], at)
-    trace = None
-    if resume and not t.trace and (run_dir / TRACE_FILE).is_file():
-        _keep_trace_prefix(run_dir / TRACE_FILE, start)  # no records past the checkpoint
-    if t.trace:
-        if resume:
+    tracing = bool(t.trace)
+    metrics: CsvLog | NullLog = NullLog()
+    evals: CsvLog | NullLog = NullLog()
+    trace: TraceWriter | None = None
+    if world.main:
+        metrics = CsvLog(run_dir / "metrics.csv", ["step", "epoch", "loss", "grad_norm", "lr"], at)
+        evals = CsvLog(run_dir / "eval.csv", ["step", "val_loss", "val_accuracy"], at)
+        if resume and not tracing and (run_dir / TRACE_FILE).is_file():
+            _keep_trace_prefix(run_dir / TRACE_FILE, start)  # no records past the checkpoint
+        if tracing and resume:
             kept = _keep_trace_prefix(run_dir / TRACE_FILE, start)
             if kept != start:
                 log.warning(f"{TRACE_FILE} held steps up to {kept} only: the trace has a gap")
             trace = TraceWriter(run_dir / TRACE_FILE, mode="a")
-        else:
+        elif tracing:
             trace = TraceWriter(run_dir / TRACE_FILE)
             tensors, whole = state_digests(model.state_dict())
             trace.write([{"step": 0, "tensors": tensors, "weights_sha256": whole}])
     # (step, loss, grad norm, lr, extra trace fields): losses stay on the device until a flush
     pending: list[tuple[int, torch.Tensor, torch.Tensor, float, dict[str, Any]]] = []
-    progress = Progress(max_steps, enabled=bool(t.progress), start=start)
+    progress = Progress(max_steps, enabled=bool(t.progress) and world.main, start=start)
     last_loss, val_loss, val_acc = float("nan"), float("nan"), float("nan")
     if resume:  # the values the straight run would hold at this step
         last = resume[1].get("last") or {}
         last_loss = last.get("loss", last_loss)
         val_loss, val_acc = last.get("val_loss", val_loss), last.get("val_accuracy", val_acc)
+    resume = resume and (resume[0], None, resume[2])  # the state is restored: let it go
 
     def flush() -> None:
         nonlocal last_loss
@@ -507,7 +544,7 @@ def train(
                 "schedule": schedule.state_dict(),
                 "scaler": scaler.state_dict(),
                 "step": step,
-                "device": str(device),
+                "device": device.type,
                 "last": {"loss": last_loss, "val_loss": val_loss, "val_accuracy": val_acc},
                 "epoch": step // steps_per_epoch,
                 "position_in_epoch": step % steps_per_epoch,
@@ -523,24 +560,31 @@ def train(
         rotate(run_dir, keep)
         return path
 
+    def batch_digests(raw: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, str] | None:
+        """The step's input and label digests over all K micro-batches (gathered from every
+        rank: only rank 0 returns them)."""
+        images = all_gather_cpu(torch.stack([b[0] for b in raw]), world).flatten(0, 1)
+        labels = all_gather_cpu(torch.stack([b[1] for b in raw]), world).flatten(0, 1)
+        if not world.main:
+            return None
+        return {"inputs": tensors_sha256(*images), "labels": tensors_sha256(*labels)}
+
     final_weights: str | None = None
     model.train()
     batches = iter(loader)
+    vote = StopVote(world) if world.distributed else None
     t_loop = time.perf_counter()
     try:
         with PreemptionSignals() as signals:
             for step in range(start, max_steps):
                 done = step + 1
-                traced = trace is not None and (
+                traced = tracing and (
                     done == 1 or done == max_steps or (trace_every and done % trace_every == 0)
                 )
-                raw = [next(batches) for _ in range(k_micro)]
+                raw = [next(batches) for _ in range(count)]
                 extra: dict[str, Any] = {}
                 if traced:
-                    extra["batch"] = {
-                        "inputs": tensors_sha256(*(images for images, _ in raw)),
-                        "labels": tensors_sha256(*(labels for _, labels in raw)),
-                    }
+                    extra["batch"] = batch_digests(raw)
                 if resume and step == start:
                     extra["resumed"] = resumes[-1]
                 micro = [normalize(*b) for b in raw]
@@ -554,17 +598,22 @@ def train(
                     seed=seed,
                     batch_size=int(t.batch_size),
                     autocast=autocast,
+                    first=first,
+                    reducer=reducer,
+                    running_stats=running_stats,
                 )
                 schedule.step()
                 if after_step is not None:
                     after_step(done, model)
                 if traced and (done == max_steps or (trace_every and done % trace_every == 0)):
                     extra["tensors"], extra["weights_sha256"] = state_digests(model.state_dict())
+                    check_same(extra["weights_sha256"], world, "weights", done)
                 if done == max_steps:
                     extra["final"] = True
                     final_weights = extra.get("weights_sha256")  # digested just above if traced
-                pending.append((done, loss, grad_norm, lr, extra))
-                if done % int(t.eval_every) == 0 or done == max_steps:
+                if world.main:
+                    pending.append((done, loss, grad_norm, lr, extra))
+                if world.main and (done % int(t.eval_every) == 0 or done == max_steps):
                     val_loss, val_acc = evaluate(
                         model, splits, normalize, int(t.eval_batch_size), autocast
                     )
@@ -576,20 +625,31 @@ def train(
                         f"step {done}/{max_steps}  loss {last_loss:.4f}  "
                         f"val_loss {val_loss:.4f}  val_acc {val_acc:.4f}"
                     )
-                elif done % int(t.log_every) == 0:
+                elif world.main and done % int(t.log_every) == 0:
                     flush()
                     progress.update(done, loss=f"{last_loss:.4f}")
                 saved = None
-                if done == max_steps or (checkpoint_every and done % checkpoint_every == 0):
+                if world.main and (
+                    done == max_steps or (checkpoint_every and done % checkpoint_every == 0)
+                ):
                     saved = checkpoint(done)
-                if signals.received and done < max_steps:
-                    saved = saved or checkpoint(done)
+                if vote is None:
+                    stop = signals.received is not None
+                else:  # every rank stops after the same step (the vote of the step before)
+                    stop = vote.outcome()
+                    if not stop and done < max_steps:
+                        vote.cast(signals.received is not None)
+                if stop and done < max_steps:
+                    if world.main:
+                        saved = saved or checkpoint(done)
+                    barrier(world)  # no rank leaves (and has torchrun stop the others) early
                     progress.close()
-                    name = signals.received.name
-                    log.warning(
+                    name = signals.received.name if signals.received else "a signal to a peer"
+                    (log.warning if world.main else log.info)(
                         f"{name} received: stopped after step {done}/{max_steps}, "
-                        f"checkpoint {saved}; exit status {PREEMPTED_EXIT_CODE}. Resume with "
-                        f"the same command plus trainer.resume=auto hydra.run.dir={run_dir}"
+                        f"checkpoint {saved or checkpoint_path(run_dir, done)}; exit status "
+                        f"{PREEMPTED_EXIT_CODE}. Resume with the same command plus "
+                        f"trainer.resume=auto hydra.run.dir={run_dir}"
                     )
                     for f in (metrics, evals, trace):  # all on disk before handing over
                         if f:
@@ -604,37 +664,51 @@ def train(
             trace.close()
     loop_seconds = time.perf_counter() - t_loop
 
-    final = checkpoint_path(run_dir, max_steps)
-    if not final.is_file():  # resumed at the last step from another directory
-        checkpoint(max_steps)
-    final_copy = run_dir / str(t.checkpoint_name)
-    shutil.copyfile(final, final_copy)  # the run's result, next to summary.json
-    shutil.copyfile(sidecar(final), sidecar(final_copy))
-    weights = final_weights or state_dict_sha256(model.state_dict())
-    summary = {
-        "weights_sha256": weights,
-        "steps": max_steps,
-        "final_loss": last_loss,
-        "val_loss": val_loss,
-        "val_accuracy": val_acc,
-        "seed": seed,
-        "device": str(device),
-        "determinism": str(cfg.determinism.mode),
-        "amp": str(cfg.amp.dtype) if cfg.amp.enabled else "off",
-        "num_workers": int(cfg.loader.num_workers),
-        "config_hash": cfg_hash,
-        "run_dir": str(run_dir),
-        "images_per_second": (max_steps - start) * int(t.batch_size) / loop_seconds,
-        "wall_seconds": time.perf_counter() - t_start,
-        "resumes": resumes,
-        "environment": env,
-    }
-    _write_json(run_dir / "summary.json", summary)
-    log.info(
-        f"done: {summary['steps']} steps, final loss {last_loss:.4f}, val accuracy {val_acc:.4f}\n"
-        f"  run dir         {run_dir}\n  weights sha256  {weights}"
-    )
-    return summary
+    summary = None
+    if world.main:
+        final = checkpoint_path(run_dir, max_steps)
+        if not final.is_file():  # resumed at the last step from another directory
+            checkpoint(max_steps)
+        final_copy = run_dir / str(t.checkpoint_name)
+        shutil.copyfile(final, final_copy)  # the run's result, next to summary.json
+        shutil.copyfile(sidecar(final), sidecar(final_copy))
+        weights = final_weights or state_dict_sha256(model.state_dict())
+        summary = {
+            "weights_sha256": weights,
+            "steps": max_steps,
+            "final_loss": last_loss,
+            "val_loss": val_loss,
+            "val_accuracy": val_acc,
+            "seed": seed,
+            "device": str(device),
+            "world_size": world.size,
+            "determinism": str(cfg.determinism.mode),
+            "amp": str(cfg.amp.dtype) if cfg.amp.enabled else "off",
+            "num_workers": int(cfg.loader.num_workers),
+            "config_hash": cfg_hash,
+            "run_dir": str(run_dir),
+            "images_per_second": (max_steps - start) * int(t.batch_size) / loop_seconds,
+            "wall_seconds": time.perf_counter() - t_start,
+            "resumes": resumes,
+            "environment": env,
+        }
+        _write_json(run_dir / "summary.json", summary)
+        log.info(
+            f"done: {summary['steps']} steps, final loss {last_loss:.4f}, "
+            f"val accuracy {val_acc:.4f}\n"
+            f"  run dir         {run_dir}\n  weights sha256  {weights}"
+        )
+    return broadcast_object(summary, world)
+
+
+class NullLog:
+    """What ranks other than 0 log to: nothing."""
+
+    def write(self, rows: list[list[Any]]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _write_json(path: Path, obj: Any) -> None:

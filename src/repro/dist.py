@@ -1,0 +1,265 @@
+"""``torchrun`` and ``torch.distributed`` glue (DESIGN.md, "Distributed"): who this process
+is, joining the process group, and the small messages the ranks exchange. The gradient sum
+itself is :mod:`repro.reduction`.
+
+Only rank 0 writes files. Every rank agrees on the run directory (rank 0's), and an error
+that rank 0 meets while preparing the run stops every rank with rank 0's message.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from repro.errors import ConfigError, DeterminismError, FromRank0, ReproError
+
+T = TypeVar("T")
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place among the processes of the run (one process: rank 0 of 1)."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    backend: str | None = None
+
+    @property
+    def main(self) -> bool:
+        """Rank 0: the one process that writes logs, trace, checkpoints and the summary."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+
+def launched_world() -> World:
+    """What ``torchrun`` (or any env:// launcher) put in the environment; rank 0 of 1 when
+    nothing did. Nothing is initialised."""
+    values = {}
+    for name in LAUNCH_VARS:
+        raw = os.environ.get(name)
+        if raw is None:
+            values[name] = None
+            continue
+        try:
+            values[name] = int(raw)
+        except ValueError:
+            raise ConfigError(
+                f"environment: {name}={raw!r} is not an integer; start multi-process runs "
+                "with torchrun, which sets it."
+            ) from None
+    size = values["WORLD_SIZE"] or 1
+    rank = values["RANK"] or 0
+    if size < 1 or not 0 <= rank < size:
+        raise ConfigError(
+            f"environment: RANK={rank} with WORLD_SIZE={size} is inconsistent; start "
+            "multi-process runs with torchrun."
+        )
+    return World(rank, size, values["LOCAL_RANK"] or 0)
+
+
+def current() -> World:
+    """The world of the initialised process group, else :func:`launched_world`."""
+    if dist.is_available() and dist.is_initialized():
+        return World(
+            dist.get_rank(),
+            dist.get_world_size(),
+            launched_world().local_rank,
+            dist.get_backend_config(),
+        )
+    return launched_world()
+
+
+def device_for(name: str, world: World) -> torch.device:
+    """The device this process trains on: ``auto`` is CUDA when there is one, else the CPU;
+    under torchrun each rank takes ``cuda:LOCAL_RANK``."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if not world.distributed or name == "cpu":
+        return torch.device(name)
+    if name != "cuda":
+        raise ConfigError(
+            f"config error: device={name} would put every one of the {world.size} processes "
+            "on one GPU; use device=cuda (each rank takes cuda:LOCAL_RANK) or device=auto."
+        )
+    if world.local_rank >= torch.cuda.device_count():
+        raise ConfigError(
+            f"LOCAL_RANK={world.local_rank} but this machine has {torch.cuda.device_count()} "
+            "CUDA device(s); start at most that many processes per node (--nproc_per_node)."
+        )
+    return torch.device("cuda", world.local_rank)
+
+
+def init(dist_cfg: Any, nccl_env: dict[str, str] | None = None, device_name: str = "auto") -> World:
+    """Join the process group ``torchrun`` set up (env:// rendezvous); idempotent.
+
+    Does nothing for a single process. ``dist.backend=auto`` takes NCCL for CUDA tensors
+    with gloo alongside for small CPU messages, and gloo alone on CPUs. ``nccl_env`` is put
+    into the environment first (GPU runs), so NCCL reads it when it starts."""
+    world = launched_world()
+    if not world.distributed:
+        return world
+    if dist.is_initialized():
+        return current()
+    device = device_for(device_name, world)
+    if device.type == "cuda":  # NCCL reads them when it starts its first communicator
+        for name, value in (nccl_env or {}).items():
+            os.environ[str(name)] = str(value)
+    backend = str(dist_cfg.backend)
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError(
+            "config error: dist.backend=nccl needs CUDA devices; use dist.backend=auto or gloo."
+        )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        backend = "gloo" if backend == "gloo" else "cpu:gloo,cuda:nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(
+        backend=backend, timeout=datetime.timedelta(seconds=int(dist_cfg.timeout_s))
+    )
+    return current()
+
+
+def shutdown() -> None:
+    """Leave the process group (if this process joined one)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------- small messages
+
+
+def broadcast_object(obj: Any, world: World) -> Any:
+    """Rank 0's ``obj`` on every rank (pickled; our own processes only). Goes over the CPU
+    (gloo), so it works before any GPU collective and with any backend."""
+    if not world.distributed:
+        return obj
+    payload = pickle.dumps(obj) if world.main else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    dist.broadcast(size, src=0)
+    data = (
+        torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        if world.main
+        else torch.empty(int(size), dtype=torch.uint8)
+    )
+    dist.broadcast(data, src=0)
+    return obj if world.main else pickle.loads(data.numpy().tobytes())
+
+
+def on_main(fn: Callable[[], T], world: World) -> T:
+    """Run ``fn`` on rank 0 and give every rank its result. A :class:`ReproError` that rank 0
+    meets is raised on every rank (as :class:`FromRank0` elsewhere), so all stop together
+    instead of waiting for rank 0 in the next collective."""
+    if not world.distributed:
+        return fn()
+    outcome: tuple[str, Any] = ("ok", None)
+    if world.main:
+        try:
+            outcome = ("ok", fn())
+        except ReproError as err:
+            broadcast_object(("error", str(err)), world)
+            raise
+    kind, value = broadcast_object(outcome, world)
+    if kind == "error":
+        raise FromRank0(value)
+    return value
+
+
+def barrier(world: World) -> None:
+    if world.distributed:
+        dist.barrier()
+
+
+def all_gather_cpu(tensor: torch.Tensor, world: World) -> torch.Tensor:
+    """Every rank's CPU ``tensor`` (same shape everywhere), stacked in rank order."""
+    if not world.distributed:
+        return tensor[None]
+    out = torch.empty((world.size, *tensor.shape), dtype=tensor.dtype)
+    gather_into(out, tensor.contiguous())
+    return out
+
+
+def check_same(digest: str, world: World, what: str, step: int) -> None:
+    """Raise on every rank when the ranks' SHA-256 hex digests of ``what`` differ."""
+    if not world.distributed:
+        return
+    mine = torch.frombuffer(bytearray(bytes.fromhex(digest)), dtype=torch.uint8)
+    all_ = all_gather_cpu(mine, world)
+    differ = [r for r in range(world.size) if not torch.equal(all_[r], all_[0])]
+    if differ:
+        raise DeterminismError(
+            f"after step {step} the {what} of rank(s) {differ} differ from rank 0's; the "
+            "ranks no longer train the same model (a nondeterministic op, or different "
+            "GPUs/software on the nodes): run repro doctor on one GPU."
+        )
+
+
+class StopVote:
+    """Agree on stopping (pre-emption) without waiting: each rank casts its flag after a step
+    (an asynchronous all-reduce of one CPU number over gloo) and reads the outcome after the
+    next step, so every rank stops after the same step."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self._flag: torch.Tensor | None = None
+        self._work: Any = None
+
+    def cast(self, stop: bool) -> None:
+        self._flag = torch.tensor([int(stop)], dtype=torch.int32)
+        self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)
+
+    def outcome(self) -> bool:
+        """The vote cast after the previous step: did any rank want to stop? (False before
+        the first vote.)"""
+        if self._work is None:
+            return False
+        self._work.wait()
+        self._work = None
+        return bool(self._flag.item())
+
+
+def gather_into(out: torch.Tensor, tensor: torch.Tensor) -> None:
+    """All-gather ``tensor`` from every rank into ``out`` (rank-major, same size each)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out.view(-1), tensor.view(-1))
+
+
+def uses_nccl(world: World) -> bool:
+    """Does the process group move CUDA tensors itself (NCCL), or via the CPU (gloo)?"""
+    return "nccl" in str(world.backend or "")
+
+
+def join_hydra_run(config: Any, world: World) -> None:
+    """Under torchrun, before Hydra creates the run directory: every rank takes rank 0's
+    ``hydra.run.dir`` (its timestamp and run id), and ranks > 0 write nothing there (no
+    ``.hydra/``, no log file) and log warnings and errors only, marked with their rank."""
+    from omegaconf import open_dict, read_write
+
+    if not world.distributed:
+        return
+    run_dir = broadcast_object(str(config.hydra.run.dir) if world.main else None, world)
+    with read_write(config.hydra), open_dict(config.hydra):
+        config.hydra.run.dir = run_dir
+        if world.main:
+            return
+        config.hydra.output_subdir = None
+        logging_cfg = config.hydra.job_logging
+        if logging_cfg and "root" in logging_cfg:
+            handlers = logging_cfg.root.get("handlers") or []
+            logging_cfg.root.handlers = [h for h in handlers if h != "file"]
+            logging_cfg.root.level = "WARNING"
+            for formatter in (logging_cfg.get("formatters") or {}).values():
+                if "format" in formatter:
+                    formatter.format = f"[rank {world.rank}] {formatter.format}"

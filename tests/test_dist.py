@@ -1,0 +1,258 @@
+"""World-size invariance: `torchrun` with 1, 2 or 4 processes gives the same bits (gloo on
+the CPU), and a checkpoint written by one world size resumes in another with the same bits.
+
+Each run is a real `torchrun --standalone` launch of train.py, strict, `loader=multi`, the
+ConvNet with dropout on; the reference is the plain one-process `python train.py`."""
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import Run, run_train, train_cmd, user_env
+from repro.compare import compare_dirs
+from repro.config import compose
+from repro.dist import World, launched_world
+from repro.errors import ConfigError
+from repro.reduction import check_split, is_subtree, share, tree_reduce
+from repro.running_stats import RunningStats
+
+# 4 micro-batches of 16 a step: 4, 2 or 1 of them on each rank
+SMALL = [
+    "trainer.batch_size=64",
+    "trainer.micro_batch_size=16",
+    "data.train_size=512",  # 8 steps an epoch: the run crosses an epoch boundary
+    "data.val_size=128",
+    "trainer.max_steps=12",
+    "trainer.eval_every=6",
+    "trainer.trace_every=3",
+    "trainer.checkpoint_every=5",  # step 5: mid-epoch, and not a multiple of anything else
+    "loader=multi",
+]
+
+
+def metrics(run: Run) -> str:
+    return (run.dir / "metrics.csv").read_text()
+
+
+def assert_same_bits(run: Run, reference: Run) -> None:
+    assert run.summary["weights_sha256"] == reference.summary["weights_sha256"]
+    assert metrics(run) == metrics(reference)  # every step's loss and grad norm, exactly
+    result = compare_dirs(reference.dir, run.dir)
+    assert result.identical, result.text()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One process (plain python), and torchrun with 2 and 4 processes."""
+    base = tmp_path_factory.mktemp("world")
+    cache: dict[int, Run] = {}
+
+    def get(world_size: int) -> Run:
+        if world_size not in cache:
+            nproc = None if world_size == 1 else world_size
+            cache[world_size] = run_train(base / f"w{world_size}", *SMALL, nproc=nproc)
+        return cache[world_size]
+
+    return get
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_world_size_does_not_change_the_bits(runs, world_size):
+    one, many = runs(1), runs(world_size)
+    assert many.summary["world_size"] == world_size and one.summary["world_size"] == 1
+    assert_same_bits(many, one)
+    env = compare_dirs(one.dir, many.dir).text()
+    assert f"environment.world_size: 1 vs {world_size}" in env
+
+
+def test_only_rank_0_writes_into_one_run_directory(runs, tmp_path):
+    run = runs(2)
+    assert sorted(p.name for p in (run.dir / ".hydra").iterdir()) == [
+        "config.yaml",
+        "hydra.yaml",
+        "overrides.yaml",
+    ]
+    log = (run.dir / "train.log").read_text()
+    assert log.count("determinism report") == 1 and "[rank 1]" not in log
+    assert "4 x 16 (2 on each of 2 processes)" in log
+    # one run directory: no rank made its own (e.g. outputs/<date>/ in the working directory)
+    assert sorted(p.name for p in run.dir.parent.iterdir()) == sorted(
+        p.name for p in run.dir.parent.iterdir() if p.name.startswith("w")
+    )
+    assert not list(run.dir.rglob("*rank*"))
+
+
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_a_two_process_checkpoint_resumes_in_another_world_size(runs, tmp_path, world_size):
+    # written by the 2-process run at step 10 (mid-epoch: 8 steps an epoch)
+    checkpoint = runs(2).dir / "checkpoints" / "step-00000010.pt"
+    assert checkpoint.exists()
+    resumed = run_train(
+        tmp_path / f"resumed{world_size}",
+        *SMALL,
+        f"trainer.resume={checkpoint}",
+        nproc=world_size if world_size > 1 else None,
+    )
+    assert resumed.summary["resumes"][-1]["step"] == 10
+    assert resumed.summary["resumes"][-1]["world_size"] == world_size
+    assert_same_bits(resumed, runs(1))
+
+
+def test_preempted_two_process_run_resumes_in_one_process_with_the_same_bits(runs, tmp_path):
+    """SIGTERM to torchrun: every rank stops after the same step, rank 0 checkpoints, and
+    the run resumes with one process to the uninterrupted run's bits."""
+    run_dir = tmp_path / "preempted"
+    steps = [*SMALL, "trainer.max_steps=60", "trainer.checkpoint_every=1000"]
+    steps += ["trainer.log_every=1", "trainer.eval_every=30", "trainer.trace_every=10"]
+    straight = run_train(tmp_path / "straight", *steps)
+    proc = subprocess.Popen(
+        train_cmd(f"hydra.run.dir={run_dir}", *steps, nproc=2),
+        cwd=tmp_path,
+        env=user_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 300
+    metrics_csv = run_dir / "metrics.csv"
+    while not metrics_csv.exists() or len(metrics_csv.read_text().splitlines()) < 6:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0, out  # torchrun reports the stop as a failure
+    saved = sorted((run_dir / "checkpoints").glob("step-*.pt"))
+    assert len(saved) == 1, out
+    stopped_at = int(saved[0].stem.split("-")[1])
+    assert 5 <= stopped_at < 60
+    assert out.count(f"stopped after step {stopped_at}/60") == 1, out  # rank 0 says it once
+    resumed = run_train(run_dir, *steps, "trainer.resume=auto")
+    assert resumed.summary["resumes"][-1]["step"] == stopped_at
+    assert resumed.summary["weights_sha256"] == straight.summary["weights_sha256"]
+    assert metrics(resumed) == metrics(straight)
+
+
+def test_batchnorm_running_statistics_do_not_depend_on_the_world_size(tmp_path):
+    """ResNet-18 (BatchNorm) at width 8: the running buffers are folded in micro-batch order
+    on every rank, so they too are the same bits."""
+    small_resnet = [*SMALL, "model=resnet18", "model.width=8", "trainer.max_steps=4"]
+    one = run_train(tmp_path / "one", *small_resnet)
+    two = run_train(tmp_path / "two", *small_resnet, nproc=2)
+    assert_same_bits(two, one)
+    state = torch.load(two.dir / "checkpoint.pt", weights_only=True)["model"]
+    assert int(state["stem.1.num_batches_tracked"]) == 4 * 4  # 4 steps x 4 micro-batches
+
+
+def test_a_world_size_that_cannot_split_the_step_is_one_line(tmp_path):
+    run = run_train(
+        tmp_path / "three",
+        *SMALL,
+        "trainer.batch_size=48",  # K = 3 micro-batches
+        check=False,
+        nproc=2,
+    )
+    assert run.proc.returncode != 0
+    assert "error: [rank 0/2] config error: trainer.batch_size / trainer.micro_batch_size" in (
+        run.proc.stderr
+    )
+    assert "Traceback" not in run.proc.stderr.split("error: [rank")[0]
+    assert not (tmp_path / "three" / "checkpoints").exists()
+
+
+def test_a_sweep_under_torchrun_is_refused(tmp_path):
+    proc = subprocess.run(
+        train_cmd("-m", "seed=0,1", f"hydra.sweep.dir={tmp_path / 'sweep'}", nproc=2),
+        cwd=tmp_path,
+        env=user_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    assert "a sweep (-m) cannot run under torchrun" in proc.stderr
+    assert not (tmp_path / "sweep").exists()
+
+
+# ------------------------------------------------------------------ in-process units
+
+
+def test_equal_power_of_two_shares_are_whole_subtrees():
+    for k in range(1, 65):
+        for w in (1, 2, 4, 8):
+            if k % w == 0:
+                check_split(k, World(0, w))
+                s = k // w
+                assert all(is_subtree(r * s, (r + 1) * s, k) for r in range(w))
+    with pytest.raises(ConfigError, match="cannot be split among 3 processes"):
+        check_split(12, World(0, 3))  # [4, 8) straddles the midpoint 6
+    with pytest.raises(ConfigError, match="cannot be split among 4 processes"):
+        check_split(6, World(0, 4))
+    assert share(8, World(3, 4)) == (6, 2)
+
+
+def test_subtree_sums_then_a_tree_over_ranks_is_the_tree_over_k():
+    """The reduction's claim, on values where the order of float additions shows."""
+    g = torch.Generator().manual_seed(0)
+    k = 16
+    leaves = [
+        torch.randn(1000, generator=g) * 10.0 ** torch.randint(-8, 8, (1000,), generator=g)
+        for _ in range(k)
+    ]
+
+    def add(a, b):
+        return a + b
+
+    one = tree_reduce(0, k, lambda i: leaves[i], add)
+    for w in (2, 4, 8, 16):
+        s = k // w
+        parts = [tree_reduce(r * s, (r + 1) * s, lambda i: leaves[i], add) for r in range(w)]
+        assert torch.equal(tree_reduce(0, w, parts.__getitem__, add), one)
+    in_order = leaves[0].clone()
+    for x in leaves[1:]:
+        in_order += x
+    assert not torch.equal(in_order, one)  # the test can tell orders apart
+
+
+def test_running_stats_follow_pytorchs_formula():
+    """Deferred updates give what BatchNorm itself would have stored (momentum and the
+    cumulative average), to float rounding; and the forward is unchanged."""
+    torch.manual_seed(0)
+    for momentum in (0.1, None):
+        ours = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=momentum))
+        theirs = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=momentum))
+        theirs.load_state_dict(ours.state_dict())
+        stats = RunningStats(ours)
+        batches = [torch.randn(8, 3, 6, 6) for _ in range(3)]
+        recorded = []
+        for x in batches:
+            with stats.capture() as r:
+                y = ours(x)
+            recorded.append(r)
+            assert torch.equal(y, theirs(x))
+        stats.update(recorded)
+        for key, value in theirs.state_dict().items():
+            torch.testing.assert_close(ours.state_dict()[key], value, rtol=1e-6, atol=1e-7)
+        assert int(ours[1].num_batches_tracked) == 3
+
+
+def test_without_torchrun_this_is_rank_0_of_1(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert launched_world() == World(0, 1, 0)
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ConfigError, match="WORLD_SIZE='two' is not an integer"):
+        launched_world()
+
+
+def test_dist_keys_are_in_the_schema():
+    cfg = compose(
+        ["dist.reduction=all_reduce", "dist.backend=gloo"], Path(__file__).parents[1] / "conf"
+    )
+    assert str(cfg.dist.reduction) == "all_reduce" and str(cfg.dist.backend) == "gloo"
+    with pytest.raises(ConfigError, match="dist.reduction"):
+        compose(["dist.reduction=mean"], Path(__file__).parents[1] / "conf")
