@@ -115,3 +115,31 @@ def test_sigkill_and_resume_on_cuda_gives_the_uninterrupted_bits(tmp_path):
         f"killed after step {at}, resumed from step {(at // 10) * 10}: "
         f"weights {resumed.summary['weights_sha256']} == {straight.summary['weights_sha256']}"
     )
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+
+
+@two_gpus
+@pytest.mark.parametrize("model", [[], ["model=resnet18"]], ids=["convnet", "resnet18"])
+def test_two_gpus_under_nccl_give_the_one_gpu_bits(tmp_path, model):
+    """torchrun on 2 GPUs (NCCL) and one process on 1 GPU: same weights, same per-step
+    losses, bf16, strict, loader workers; BatchNorm buffers included (ResNet-18)."""
+    import json
+
+    from conftest import run_train
+
+    args = [*SHORT, "device=cuda", "amp=on", "loader=multi", "trainer.trace_every=10"]
+    args += ["trainer.batch_size=128", "trainer.micro_batch_size=32", *model]
+    one = run_train(tmp_path / "one", *args)
+    two = run_train(tmp_path / "two", *args, nproc=2)
+    assert two.summary["world_size"] == 2
+    assert "nccl" in two.summary["environment"]["dist_backend"]
+    assert two.summary["weights_sha256"] == one.summary["weights_sha256"]
+    assert two.losses == one.losses
+    result = compare_dirs(one.dir, two.dir)
+    print(result.text())
+    assert result.identical
+    report = json.loads((two.dir / "determinism.json").read_text())
+    pinned = {e["name"]: e["value"] for e in report["entries"]}
+    assert pinned["NCCL_NVLS_ENABLE"] == "0" and pinned["NCCL_ALGO"] == "Ring"

@@ -573,6 +573,8 @@ def train(
     model.train()
     batches = iter(loader)
     vote = StopVote(world) if world.distributed else None
+    warm = start + min(10, (max_steps - start) // 2)  # steps left out of the steady rate
+    marks: dict[int, float] = {}
     t_loop = time.perf_counter()
     try:
         with PreemptionSignals() as signals:
@@ -603,6 +605,10 @@ def train(
                     running_stats=running_stats,
                 )
                 schedule.step()
+                if done in (warm, max_steps) and done > start:  # steady-state throughput
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    marks[done] = time.perf_counter()
                 if after_step is not None:
                     after_step(done, model)
                 if traced and (done == max_steps or (trace_every and done % trace_every == 0)):
@@ -688,6 +694,13 @@ def train(
             "config_hash": cfg_hash,
             "run_dir": str(run_dir),
             "images_per_second": (max_steps - start) * int(t.batch_size) / loop_seconds,
+            # from the end of step `warm` to the last update; evaluation and checkpoints
+            # in between count, the final ones do not
+            "steady_images_per_second": (
+                (max_steps - warm) * int(t.batch_size) / (marks[max_steps] - marks[warm])
+                if warm in marks and max_steps in marks and max_steps > warm
+                else None
+            ),
             "wall_seconds": time.perf_counter() - t_start,
             "resumes": resumes,
             "environment": env,

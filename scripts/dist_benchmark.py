@@ -1,0 +1,167 @@
+#!/usr/bin/env python
+"""What world-size invariance costs: step throughput under torchrun, the fixed-order
+reduction (``dist.reduction=ordered``) against a plain all-reduce (``all_reduce``, DDP's
+sum), side by side in one run, and whether the bits agree across world sizes.
+
+    python scripts/dist_benchmark.py                                  # CPU, gloo: 1 and 2
+    python scripts/dist_benchmark.py --world-sizes 1 2 4 --steps 300 -- model=resnet18 \\
+        trainer.batch_size=256 trainer.micro_batch_size=64 amp=on     # GPUs, NCCL
+
+Each world size W > 1 runs both reductions, alternated, ``--repeats`` times
+(``torchrun --standalone --nproc_per_node=W train.py ...``); W = 1 is one plain process.
+Throughput is ``steady_images_per_second`` from the run's summary: after the first 10
+steps, to the last update (device synchronised at both ends). Overrides after ``--`` go to
+every run. Writes benchmarks/dist-<date>-<gpu or cpu>.md/.json with the versions and the
+exact command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from _results import write_results  # noqa: E402
+
+
+def launch(run_dir: Path, world_size: int, reduction: str, steps: int, extra: list[str]) -> dict:
+    launcher = (
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}"]
+        if world_size > 1
+        else []
+    )
+    cmd = [
+        sys.executable,
+        *launcher,
+        str(ROOT / "train.py"),
+        f"hydra.run.dir={run_dir}",
+        f"trainer.max_steps={steps}",
+        f"trainer.eval_every={steps}",
+        "trainer.checkpoint_every=0",
+        "trainer.progress=false",
+        f"dist.reduction={reduction}",
+        *extra,
+    ]
+    env = {**os.environ, "PYTHONHASHSEED": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"dist_benchmark: {shlex.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {
+        "images_per_second": summary["steady_images_per_second"],
+        "weights": summary["weights_sha256"],
+        "environment": summary["environment"],
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks")
+    p.add_argument("--label", default="", help="names the result files: dist-LABEL-<date>-...")
+    p.add_argument("overrides", nargs="*", help="train.py overrides for every run (after --)")
+    args = p.parse_args()
+    if args.steps <= 20:
+        p.error("--steps must be > 20 (the first 10 are left out)")
+
+    results: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        n = 0
+        for i in range(args.repeats):
+            for w in args.world_sizes:
+                reductions = ["ordered"] if w == 1 else ["ordered", "all_reduce"]
+                for reduction in reductions if i % 2 == 0 else reductions[::-1]:
+                    n += 1
+                    r = launch(Path(tmp) / f"run{n}", w, reduction, args.steps, args.overrides)
+                    results.setdefault(f"{w}/{reduction}", []).append(r)
+                    print(
+                        f"W={w} {reduction:10} {i + 1}/{args.repeats}: "
+                        f"{r['images_per_second']:9.0f} img/s  {r['weights'][:12]}",
+                        flush=True,
+                    )
+    env = results[f"{args.world_sizes[0]}/ordered"][0]["environment"]
+    reference = results[f"{args.world_sizes[0]}/ordered"][0]["weights"]
+    rows = []
+    for key, runs in results.items():
+        w, reduction = key.split("/")
+        ips = [r["images_per_second"] for r in runs]
+        rows.append(
+            {
+                "world_size": int(w),
+                "reduction": reduction,
+                "images_per_second": ips,
+                "median": statistics.median(ips),
+                "weights": sorted({r["weights"] for r in runs}),
+                "same_bits_as_first": all(r["weights"] == reference for r in runs),
+            }
+        )
+    rows.sort(key=lambda r: (r["world_size"], r["reduction"] != "ordered"))
+    median = {(r["world_size"], r["reduction"]): r["median"] for r in rows}
+    base = median[(args.world_sizes[0], "ordered")]
+
+    command = "python scripts/dist_benchmark.py " + shlex.join(sys.argv[1:])
+    today = dt.date.today().isoformat()
+    device = env.get("gpu") or f"CPU {env.get('cpu')} ({env.get('cpu_count')} cores)"
+    lines = [
+        f"# World-size invariance: what the fixed-order reduction costs, {today}",
+        "",
+        f"`{command}`",
+        "",
+        f"{device}, driver {env.get('gpu_driver')}, torch {env.get('torch')}, CUDA "
+        f"{env.get('cuda')}, cuDNN {env.get('cudnn')}; backend "
+        f"{'NCCL (+gloo for CPU messages)' if env.get('gpu') else 'gloo'}. "
+        f"{args.steps} steps per run, images/s after the first 10; {args.repeats} repeats, "
+        "the two reductions alternated. Overrides: "
+        f"`{' '.join(args.overrides) or '(defaults)'}`.",
+        "",
+        "| processes | reduction | img/s median (min–max) | ordered / all_reduce "
+        f"| vs {args.world_sizes[0]} process(es) | weights | same bits as first row |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        w = r["world_size"]
+        ratio = (
+            f"{median[(w, 'ordered')] / median[(w, 'all_reduce')]:.3f}"
+            if (w, "all_reduce") in median and r["reduction"] == "ordered"
+            else ""
+        )
+        ips = r["images_per_second"]
+        lines.append(
+            f"| {w} | {r['reduction']} | {r['median']:.0f} ({min(ips):.0f}–{max(ips):.0f}) | "
+            f"{ratio} | {r['median'] / base:.2f}× | "
+            f"{', '.join(d[:12] for d in r['weights'])} | "
+            f"{'yes' if r['same_bits_as_first'] else 'no'} |"
+        )
+    text = "\n".join(lines) + "\n"
+    record = {
+        "date": today,
+        "command": command,
+        "environment": env,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "overrides": args.overrides,
+        "rows": rows,
+    }
+    write_results(
+        args.out, f"dist-{args.label}" if args.label else "dist", today, env, text, record
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
