@@ -1,6 +1,8 @@
 """Train: `python train.py [group=option ...] [key=value ...]` (see README.md)."""
 
 import json
+import logging
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -12,8 +14,8 @@ from omegaconf import DictConfig
 
 from repro.checkpoint import atomic_write
 from repro.config import check_overrides
-from repro.dist import shutdown
-from repro.errors import Preempted, ReproError, exit_with
+from repro.dist import launched_world, shutdown
+from repro.errors import Preempted, ReproError, exit_with, report_error
 from repro.loop import train
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
@@ -30,6 +32,16 @@ def main(cfg: DictConfig) -> float:
         shutdown()  # every rank stopped after the same step, past a barrier
         raise
     except Exception as err:
+        if launched_world().distributed:
+            # Stop this rank now: waiting in NCCL's teardown for ranks that are gone can hang.
+            # torchrun then stops the others and shows this rank's error in its summary.
+            if not isinstance(err, ReproError):
+                traceback.print_exc()
+            report_error(err)
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
         if hydra_cfg.mode != RunMode.MULTIRUN:
             if isinstance(err, ReproError):
                 exit_with(err)

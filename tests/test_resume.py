@@ -273,7 +273,7 @@ def test_a_checkpoint_from_another_environment_is_refused(killed, tmp_path):
         refused.proc.stderr
     )
     assert "environment.gpu: NVIDIA A100 (checkpoint)" in refused.proc.stderr
-    assert "device: cuda:0 (checkpoint) vs cpu (now)" in refused.proc.stderr
+    assert "device: cuda (checkpoint) vs cpu (now)" in refused.proc.stderr
 
 
 def test_resume_from_another_run_directory_continues_its_logs(killed, straight, tmp_path):

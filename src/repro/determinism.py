@@ -261,9 +261,7 @@ def _layer0_process(report: DeterminismReport, dcfg: DictConfig, device: torch.d
     report.add(name, "re-executed to pin the environment", bool(os.environ.get(REEXEC_MARKER)))
     if os.environ.get("WORLD_SIZE", "1") != "1" and device.type == "cuda":
         for var, value in dcfg.nccl_env.items():
-            report.add(
-                name, var, os.environ.get(var), str(value), note="read when NCCL starts"
-            )
+            report.add(name, var, os.environ.get(var), str(value), note="read when NCCL starts")
 
 
 def _layer1_cpu(report: DeterminismReport, cfg: DictConfig) -> None:

@@ -133,8 +133,11 @@ def init(dist_cfg: Any, nccl_env: dict[str, str] | None = None, device_name: str
 
 
 def shutdown() -> None:
-    """Leave the process group (if this process joined one)."""
+    """Leave the process group (if this process joined one), after every rank is done with
+    it: a rank that tears its connections down while a peer still talks over them can abort
+    that peer (seen with gloo: "terminate called without an active exception")."""
     if dist.is_available() and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 

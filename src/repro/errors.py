@@ -41,16 +41,24 @@ def exit_with(error: ReproError) -> NoReturn:
     callback into warnings and goes on, but lets ``SystemExit`` through. Under torchrun the
     line names the rank and also goes into torchrun's error file, so its failure summary
     shows it; an error rank 0 reported is not repeated by the other ranks."""
+    report_error(error)
+    raise SystemExit(1)
+
+
+def report_error(error: BaseException) -> None:
+    """Print ``error: <message>`` on stderr (a user error as its one line, anything else as
+    its type and message after the traceback); under torchrun name the rank and record it in
+    torchrun's error file. An error rank 0 reported is not repeated by the other ranks."""
     if isinstance(error, FromRank0):
-        raise SystemExit(1)
+        return
     world_size = os.environ.get("WORLD_SIZE", "1")
     rank = f"[rank {os.environ.get('RANK', '?')}/{world_size}] " if world_size != "1" else ""
-    print(f"error: {rank}{error}", file=sys.stderr)
+    text = str(error) if isinstance(error, ReproError) else f"{type(error).__name__}: {error}"
+    print(f"error: {rank}{text}", file=sys.stderr)
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
         ErrorHandler().record_exception(error)
-    raise SystemExit(1)
 
 
 class CheckpointError(ReproError):

@@ -118,6 +118,10 @@ class Reducer:
             return parts[r][0].reshape(()), list(parts[r][1:n])
 
         total_loss, total_grads = tree_reduce(0, w, part, add_partials)
+        # Own allocations, as autograd's gradients are: views into the gathered buffer sit at
+        # arbitrary offsets, and CUDA's multi-tensor kernels (the gradient norm's
+        # _foreach_norm) take another summation path for unaligned tensors (seen on H200).
+        total_grads = [g.clone() for g in total_grads]
         return total_loss, total_grads, _regroup([p[n:] for p in parts], extras, w)
 
     def _gather(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -165,9 +169,9 @@ def _regroup(
 ) -> list[list[torch.Tensor]]:
     """Rank-major flat lists of per-micro-batch tensors -> one list per micro-batch, in
     micro-batch order (rank r holds micro-batches r*count ... (r+1)*count - 1)."""
-    if not local:
-        return []
-    width = len(local[0])
+    width = len(local[0]) if local else 0
+    if width == 0:  # nothing recorded (no BatchNorm): one empty list per micro-batch
+        return [[] for _ in range(w * len(local))]
     return [
         list(per_rank[r][j * width : (j + 1) * width]) for r in range(w) for j in range(len(local))
     ]
