@@ -5,7 +5,7 @@
     python scripts/benchmark.py --steps 60 --warmup 10 --repeats 2 --models convnet
 
 For each model (the default ConvNet at its default batch; the ResNet-18 preset at batch 256)
-and each variant (amp off/on x loader single/multi), determinism strict and fast alternate
+and each variant (amp off/on x loader single/multi/device), determinism strict and fast alternate
 `--repeats` times. Throughput is images/s over the steps after `--warmup` (timed with CUDA
 synchronisation at both ends, evaluation excluded); the ratio strict / fast is of the
 medians. Every strict repeat's final weights digest is recorded: they must agree. Writes
@@ -42,9 +42,12 @@ MODELS = {
 VARIANTS = [
     ("fp32", "single", ["amp=off", "loader=single"]),
     ("fp32", "multi", ["amp=off", "loader=multi"]),
+    ("fp32", "device", ["amp=off", "loader=device"]),
     ("bf16", "single", ["amp=on", "loader=single"]),
     ("bf16", "multi", ["amp=on", "loader=multi"]),
+    ("bf16", "device", ["amp=on", "loader=device"]),
 ]
+VARIANT_NAMES = [f"{amp}-{loader}" for amp, loader, _ in VARIANTS]
 
 
 def timed_run(overrides: list[str], steps: int, warmup: int, where: Path) -> dict:
@@ -82,6 +85,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--variants", nargs="+", default=VARIANT_NAMES, choices=VARIANT_NAMES)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks")
     args = p.parse_args()
     if not 0 < args.warmup < args.steps:
@@ -95,6 +99,8 @@ def main() -> int:
         timed_run(MODELS[args.models[0]], args.warmup + 5, args.warmup, Path(tmp) / "warm")
         for model in args.models:
             for amp, loader, variant in VARIANTS:
+                if f"{amp}-{loader}" not in args.variants:
+                    continue
                 res: dict[str, list[dict]] = {"strict": [], "fast": []}
                 for i in range(args.repeats):
                     for mode in ("strict", "fast") if i % 2 == 0 else ("fast", "strict"):

@@ -19,15 +19,17 @@ def test_strict_on_cuda_twice_and_with_workers_is_identical(train_run):
     a = train_run("a", *SHORT, "device=cuda")
     b = train_run("b", *SHORT, "device=cuda")
     multi = train_run("multi", *SHORT, "device=cuda", "loader=multi")
+    on_device = train_run("on_device", *SHORT, "device=cuda", "loader=device")
     assert a.summary["device"].startswith("cuda")
     assert (
         a.summary["weights_sha256"]
         == b.summary["weights_sha256"]
         == multi.summary["weights_sha256"]
+        == on_device.summary["weights_sha256"]
     )
-    assert a.losses == b.losses == multi.losses
+    assert a.losses == b.losses == multi.losses == on_device.losses
     assert a.entry("CUBLAS_WORKSPACE_CONFIG")["verified"] is True
-    for other in (b, multi):
+    for other in (b, multi, on_device):
         result = compare_dirs(a.dir, other.dir)
         print(result.text())
         assert result.identical and result.lines[0].startswith("identical: 40 steps")

@@ -138,3 +138,33 @@ def test_cifar10_without_torchvision_says_how_to_install():
 def test_tensor_images_checks_its_input():
     with pytest.raises(ValueError):
         TensorImages(torch.zeros(2, 3, 4, 4), torch.zeros(2))
+
+
+def test_the_device_batch_path_crops_and_flips_like_the_per_sample_path():
+    from repro.data import crop_flip_batch, crop_flip_params, random_crop_flip
+    from repro.rng import keyed_generator
+
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (40, 3, 12, 10), dtype=torch.uint8, generator=g)
+    keys = [(3, i) for i in range(40)]
+    params = torch.tensor([crop_flip_params(keyed_generator(7, "augment", *k)) for k in keys])
+    assert params[:, 2].unique().numel() == 2 and params[:, 0].unique().numel() > 3
+    batch = crop_flip_batch(images, params)
+    one_by_one = torch.stack(
+        [random_crop_flip(images[i], keyed_generator(7, "augment", *k)) for i, k in enumerate(keys)]
+    )
+    assert batch.dtype == torch.uint8 and torch.equal(batch, one_by_one)
+
+
+def test_loader_on_device_gives_the_same_bits_as_the_worker_loader(train_run):
+    """loader=device (here on the CPU: the same code path as on a GPU) vs loader=single."""
+    args = ["trainer.max_steps=12", "trainer.eval_every=12", "data.train_size=512"]
+    single = train_run("single", *args, "loader=single")
+    device = train_run("device", *args, "loader=device")
+    assert device.summary["weights_sha256"] == single.summary["weights_sha256"]
+    assert device.losses == single.losses
+    refused = train_run("bad", *args, "loader=device", "loader.num_workers=2", check=False)
+    assert refused.proc.returncode == 1
+    assert "loader.num_workers=2 is invalid; allowed: 0 with loader.on_device=true" in (
+        refused.proc.stderr
+    )

@@ -105,6 +105,7 @@ class LoaderConfig:
     pin_memory: bool = False
     persistent_workers: bool = False
     prefetch_factor: int | None = None
+    on_device: bool = False  # keep the training split on the device, augment there
 
 
 @dataclass
@@ -266,6 +267,12 @@ def validate(cfg: DictConfig) -> None:
             _fail("determinism.nccl_env", name, "names of NCCL_* environment variables")
     if ld.num_workers < 0:
         _fail("loader.num_workers", ld.num_workers, "an integer >= 0 (0 loads in the main process)")
+    if ld.on_device and ld.num_workers > 0:
+        _fail(
+            "loader.num_workers",
+            ld.num_workers,
+            "0 with loader.on_device=true (the device loads; there are no workers)",
+        )
     if ld.prefetch_factor is not None and ld.prefetch_factor < 1:
         _fail("loader.prefetch_factor", ld.prefetch_factor, "null or an integer >= 1")
     if d.cpu_threads is not None and d.cpu_threads < 1:

@@ -216,11 +216,23 @@ def cifar10(root: str = "data/cifar10", download: bool = True, augment: bool = T
 # --------------------------------------------------------------- keyed augmentation
 
 
-def random_crop_flip(image: torch.Tensor, generator: torch.Generator, pad: int = 4) -> torch.Tensor:
-    """Pad with zeros, crop back to size at a random offset, flip horizontally half the time."""
-    c, h, w = image.shape
+CROP_PAD = 4
+
+
+def crop_flip_params(generator: torch.Generator, pad: int = CROP_PAD) -> tuple[int, int, bool]:
+    """The draws of one sample's augmentation: crop offsets (dy, dx) and the flip. One
+    definition for the per-sample path and the on-device batch path, so both crop alike."""
     dy, dx = torch.randint(0, 2 * pad + 1, (2,), generator=generator).tolist()
     flip = bool(torch.randint(0, 2, (1,), generator=generator))
+    return dy, dx, flip
+
+
+def random_crop_flip(
+    image: torch.Tensor, generator: torch.Generator, pad: int = CROP_PAD
+) -> torch.Tensor:
+    """Pad with zeros, crop back to size at a random offset, flip horizontally half the time."""
+    c, h, w = image.shape
+    dy, dx, flip = crop_flip_params(generator, pad)
     padded = F.pad(image, (pad, pad, pad, pad))
     out = padded[:, dy : dy + h, dx : dx + w]
     if flip:
@@ -302,6 +314,64 @@ class KeyedBatchSampler:
             step += 1
 
 
+def crop_flip_batch(
+    images: torch.Tensor, params: torch.Tensor, pad: int = CROP_PAD
+) -> torch.Tensor:
+    """:func:`random_crop_flip` for a whole N×C×H×W batch at once, on its device: ``params``
+    holds each sample's (dy, dx, flip). Pure data movement (pad, then gather), so the bytes
+    equal the per-sample path's."""
+    n, c, h, w = images.shape
+    params = params.to(images.device)
+    dy, dx, flip = params[:, 0:1], params[:, 1:2], params[:, 2:3].bool()
+    rows = dy + torch.arange(h, device=images.device)  # N×H
+    cols = dx + torch.arange(w, device=images.device)  # N×W
+    cols = torch.where(flip, cols.flip(1), cols)
+    padded = F.pad(images, (pad, pad, pad, pad)).permute(0, 2, 3, 1)  # N×(H+2p)×(W+2p)×C
+    batch = torch.arange(n, device=images.device)[:, None, None]
+    return padded[batch, rows[:, :, None], cols[:, None, :]].permute(0, 3, 1, 2).contiguous()
+
+
+class DeviceBatches:
+    """``loader.on_device=true``: the training split lives on the device and each
+    micro-batch is gathered and augmented there, with no worker processes.
+
+    Same keys, same draws (:func:`crop_flip_params` from the generator keyed by
+    ``(seed, "augment", epoch, index)``) and the same bytes as the DataLoader path: the
+    choice of loader cannot change the bits. The draws are made on the CPU (a few µs a
+    sample); the pixels never leave the device."""
+
+    def __init__(
+        self,
+        splits: DataSplits,
+        seed: int,
+        batch_size: int,
+        micro_batch_size: int,
+        device: torch.device,
+        start_step: int = 0,
+        shard: tuple[int, int] | None = None,
+    ) -> None:
+        self.batch_sampler = KeyedBatchSampler(
+            len(splits.train), batch_size, micro_batch_size, seed, start_step, shard
+        )
+        self.images = splits.train.images.to(device)
+        self.labels = splits.train.labels.to(device)
+        self.seed, self.augment, self.device = seed, splits.augment, device
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for keys in self.batch_sampler:
+            index = torch.tensor([i for _, i in keys])
+            images = self.images[index.to(self.device, non_blocking=True)]
+            if self.augment:
+                params = torch.tensor(
+                    [
+                        crop_flip_params(keyed_generator(self.seed, "augment", epoch, i))
+                        for epoch, i in keys
+                    ]
+                )
+                images = crop_flip_batch(images, params.to(self.device, non_blocking=True))
+            yield images, self.labels[index.to(self.device, non_blocking=True)]
+
+
 def _init_worker(worker_id: int) -> None:
     """Seed the worker's global RNGs (``repro.rng.worker_init_fn``) and leave pre-emption
     signals to the main process: a cluster sends SIGTERM to every process of the job, and the
@@ -320,9 +390,21 @@ def make_train_loader(
     pin_memory: bool,
     start_step: int = 0,
     shard: tuple[int, int] | None = None,
-) -> DataLoader:
+    device: torch.device | None = None,
+) -> DataLoader | DeviceBatches:
     """A DataLoader over micro-batches of the training split (infinite; the loop counts);
-    ``shard=(first, count)``: only those micro-batches of each step (this rank's share)."""
+    ``shard=(first, count)``: only those micro-batches of each step (this rank's share).
+    With ``loader.on_device``, :class:`DeviceBatches` on ``device`` instead."""
+    if loader_cfg.get("on_device"):
+        return DeviceBatches(
+            splits,
+            seed,
+            batch_size,
+            micro_batch_size,
+            device or torch.device("cpu"),
+            start_step,
+            shard,
+        )
     workers = int(loader_cfg.num_workers)
     extra = {}
     if workers > 0:

@@ -358,6 +358,10 @@ def _layer3_data(report: DeterminismReport, cfg: DictConfig) -> None:
         note="from torch.initial_seed(), for third-party transforms only",
     )
     report.add(name, "num_workers", int(cfg.loader.num_workers), note="does not change the bits")
+    if cfg.loader.get("on_device"):
+        report.add(
+            name, "loader on device", True, note="same keyed draws and bytes as the worker path"
+        )
 
 
 def _layer4_ops(report: DeterminismReport, cfg: DictConfig, device: torch.device) -> None:

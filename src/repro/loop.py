@@ -469,6 +469,7 @@ def train(
         pin_memory=bool(cfg.loader.pin_memory) and device.type == "cuda",
         start_step=start,
         shard=(first, count),
+        device=device,
     )
     steps_per_epoch = loader.batch_sampler.steps_per_epoch
     normalize = DeviceNormalizer(splits, device)
@@ -563,8 +564,8 @@ def train(
     def batch_digests(raw: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, str] | None:
         """The step's input and label digests over all K micro-batches (gathered from every
         rank: only rank 0 returns them)."""
-        images = all_gather_cpu(torch.stack([b[0] for b in raw]), world).flatten(0, 1)
-        labels = all_gather_cpu(torch.stack([b[1] for b in raw]), world).flatten(0, 1)
+        images = all_gather_cpu(torch.stack([b[0] for b in raw]).cpu(), world).flatten(0, 1)
+        labels = all_gather_cpu(torch.stack([b[1] for b in raw]).cpu(), world).flatten(0, 1)
         if not world.main:
             return None
         return {"inputs": tensors_sha256(*images), "labels": tensors_sha256(*labels)}
