@@ -14,3 +14,19 @@ class FailsForSeed(ConvNet):
         if torch.initial_seed() == derive_seed(fail_seed, "init"):
             raise RuntimeError(f"this model refuses seed {fail_seed} (a test of failing jobs)")
         super().__init__(num_classes, in_channels, width, dropout)
+
+
+class FailsOnRank(ConvNet):
+    """The default ConvNet, except that its forward raises on one torchrun rank after a few
+    steps: an error on one process of a multi-process run."""
+
+    def __init__(self, num_classes, in_channels=3, width=32, dropout=0.1, fail_rank=1):
+        super().__init__(num_classes, in_channels, width, dropout)
+        self.fail = int(__import__("os").environ.get("RANK", "0")) == fail_rank
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.fail and self.calls > 6:
+            raise RuntimeError("this rank's forward fails (a test of errors under torchrun)")
+        return super().forward(x)

@@ -4,6 +4,7 @@ the CPU), and a checkpoint written by one world size resumes in another with the
 Each run is a real `torchrun --standalone` launch of train.py, strict, `loader=multi`, the
 ConvNet with dropout on; the reference is the plain one-process `python train.py`."""
 
+import os
 import signal
 import subprocess
 import time
@@ -13,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import Run, run_train, train_cmd, user_env
+from conftest import ROOT, Run, run_train, train_cmd, user_env
 from repro.compare import compare_dirs
 from repro.config import compose
 from repro.dist import World, launched_world
@@ -162,6 +163,30 @@ def test_a_world_size_that_cannot_split_the_step_is_one_line(tmp_path):
     )
     assert "Traceback" not in run.proc.stderr.split("error: [rank")[0]
     assert not (tmp_path / "three" / "checkpoints").exists()
+
+
+def test_an_error_on_one_rank_stops_every_rank_with_its_message(tmp_path):
+    run_dir = tmp_path / "fails"
+    proc = subprocess.run(
+        train_cmd(
+            f"hydra.run.dir={run_dir}",
+            *SMALL,
+            "model._target_=sweep_models.FailsOnRank",
+            "+model.fail_rank=1",
+            nproc=2,
+        ),
+        cwd=tmp_path,
+        env=user_env(PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT / "src")])),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "error: [rank 1/2] RuntimeError: this rank's forward fails" in out
+    # torchrun's summary names the failing rank and shows the message (our error file)
+    assert "this rank's forward fails" in out.split("Root Cause")[-1]
+    assert not (run_dir / "summary.json").exists()
 
 
 def test_a_sweep_under_torchrun_is_refused(tmp_path):
