@@ -77,6 +77,28 @@ def timed_run(overrides: list[str], steps: int, warmup: int, where: Path) -> dic
     }
 
 
+# The H200's bf16 dense matmul rate measured on random data (the device library's KINDS.md):
+# the ceiling the achieved TFLOP/s are compared with.
+H200_BF16_TFLOPS = 790.0
+
+
+def flops_per_image(overrides: list[str]) -> float:
+    """Forward + backward FLOPs of one training image (``torch.utils.flop_counter``: matmuls
+    and convolutions, 2 per multiply-add), counted on the CPU with 8 images."""
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from repro.loop import build_model, instantiate_group
+
+    cfg = compose(overrides, ROOT / "conf")
+    splits = instantiate_group(cfg.data, "data")
+    model = build_model(cfg, splits, torch.device("cpu"))
+    images, labels = splits.train.images[:8].float(), splits.train.labels[:8]
+    with FlopCounterMode(display=False) as counter:
+        F.cross_entropy(model(images), labels).backward()
+    return counter.get_total_flops() / len(images)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -134,6 +156,11 @@ def main() -> int:
 
     from repro.trace import environment
 
+    flops = {model: flops_per_image(MODELS[model]) for model in args.models}
+    for r in rows:
+        r["flops_per_image"] = flops[r["model"]]
+        r["strict_tflops"] = r["median"]["strict"] * flops[r["model"]] / 1e12
+
     env = environment()
     command = "python scripts/benchmark.py " + shlex.join(sys.argv[1:])
     today = dt.date.today().isoformat()
@@ -157,8 +184,8 @@ def main() -> int:
         f"(evaluation excluded); {args.repeats} repeats per mode, alternated, one process.",
         "",
         "| model | amp | loader | strict img/s (min–max) | fast img/s (min–max) | strict / fast "
-        "| strict digests | fast digests |",
-        "|---|---|---|---|---|---|---|---|",
+        "| strict digests | fast digests | strict TFLOP/s (% of bf16 ceiling) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         s, f = r["images_per_second"]["strict"], r["images_per_second"]["fast"]
@@ -166,8 +193,16 @@ def main() -> int:
             f"| {r['model']} | {r['amp']} | {r['loader']} | {r['median']['strict']:.0f} "
             f"({min(s):.0f}–{max(s):.0f}) | {r['median']['fast']:.0f} ({min(f):.0f}–{max(f):.0f})"
             f" | {r['strict_over_fast']:.3f} | {r['strict_distinct_weights']} | "
-            f"{r['fast_distinct_weights']} |"
+            f"{r['fast_distinct_weights']} | {r['strict_tflops']:.1f} "
+            f"({100 * r['strict_tflops'] / H200_BF16_TFLOPS:.1f}%) |"
         )
+    lines += [
+        "",
+        "FLOPs per training image (forward + backward, `torch.utils.flop_counter`): "
+        + ", ".join(f"{m} {f / 1e9:.3f} GFLOP" for m, f in flops.items())
+        + f". Ceiling: the H200's measured bf16 matmul rate, {H200_BF16_TFLOPS:.0f} TFLOP/s "
+        "(fp32 rows are further from theirs: fp32 runs on CUDA cores).",
+    ]
     text = "\n".join(lines) + "\n"
     write_results(args.out, "benchmark", today, env, text, record)
     return 0
