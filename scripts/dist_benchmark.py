@@ -35,14 +35,23 @@ from _results import write_results  # noqa: E402
 
 
 def launch(run_dir: Path, world_size: int, reduction: str, steps: int, extra: list[str]) -> dict:
-    launcher = (
-        ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}"]
-        if world_size > 1
-        else []
-    )
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    torchrun.append(f"--nproc_per_node={world_size}")
+    env = {**os.environ, "PYTHONHASHSEED": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
+    if reduction == "ddp":
+        cmd = [*torchrun, str(ROOT / "scripts" / "ddp_peer.py"), f"--steps={steps}", "--", *extra]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"dist_benchmark: {shlex.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        return {
+            "images_per_second": result["steady_images_per_second"],
+            "weights": result["weights_sha256"],
+            "environment": None,
+        }
     cmd = [
-        sys.executable,
-        *launcher,
+        *(torchrun if world_size > 1 else [sys.executable]),
         str(ROOT / "train.py"),
         f"hydra.run.dir={run_dir}",
         f"trainer.max_steps={steps}",
@@ -52,8 +61,6 @@ def launch(run_dir: Path, world_size: int, reduction: str, steps: int, extra: li
         f"dist.reduction={reduction}",
         *extra,
     ]
-    env = {**os.environ, "PYTHONHASHSEED": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-    env.setdefault("NCCL_NVLS_ENABLE", "0")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"dist_benchmark: {shlex.join(cmd)} failed:\n{proc.stderr[-3000:]}")
@@ -73,6 +80,11 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks")
+    p.add_argument(
+        "--ddp",
+        action="store_true",
+        help="also run plain DistributedDataParallel (scripts/ddp_peer.py) at every size",
+    )
     p.add_argument("--label", default="", help="names the result files: dist-LABEL-<date>-...")
     p.add_argument("overrides", nargs="*", help="train.py overrides for every run (after --)")
     args = p.parse_args()
@@ -85,6 +97,7 @@ def main() -> int:
         for i in range(args.repeats):
             for w in args.world_sizes:
                 reductions = ["ordered"] if w == 1 else ["ordered", "all_reduce"]
+                reductions += ["ddp"] if args.ddp else []
                 for reduction in reductions if i % 2 == 0 else reductions[::-1]:
                     n += 1
                     r = launch(Path(tmp) / f"run{n}", w, reduction, args.steps, args.overrides)
@@ -110,7 +123,8 @@ def main() -> int:
                 "same_bits_as_first": all(r["weights"] == reference for r in runs),
             }
         )
-    rows.sort(key=lambda r: (r["world_size"], r["reduction"] != "ordered"))
+    order = {"ordered": 0, "all_reduce": 1, "ddp": 2}
+    rows.sort(key=lambda r: (r["world_size"], order[r["reduction"]]))
     median = {(r["world_size"], r["reduction"]): r["median"] for r in rows}
     base = median[(args.world_sizes[0], "ordered")]
 
@@ -129,17 +143,16 @@ def main() -> int:
         "the two reductions alternated. Overrides: "
         f"`{' '.join(args.overrides) or '(defaults)'}`.",
         "",
-        "| processes | reduction | img/s median (min–max) | ordered / all_reduce "
+        "`ddp`: plain DistributedDataParallel in a lean loop (`scripts/ddp_peer.py`: no "
+        "trace, logs or checkpoints; bucketed all-reduce overlapped with the backward pass).",
+        "",
+        "| processes | reduction | img/s median (min–max) | ordered / this "
         f"| vs {args.world_sizes[0]} process(es) | weights | same bits as first row |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         w = r["world_size"]
-        ratio = (
-            f"{median[(w, 'ordered')] / median[(w, 'all_reduce')]:.3f}"
-            if (w, "all_reduce") in median and r["reduction"] == "ordered"
-            else ""
-        )
+        ratio = f"{median[(w, 'ordered')] / r['median']:.3f}" if r["reduction"] != "ordered" else ""
         ips = r["images_per_second"]
         lines.append(
             f"| {w} | {r['reduction']} | {r['median']:.0f} ({min(ips):.0f}–{max(ips):.0f}) | "

@@ -20,6 +20,10 @@ def test_benchmark_writes_a_table_with_strict_and_fast(tmp_path):
             "1",
             "--models",
             "convnet",
+            "--variants",
+            "fp32-single",
+            "fp32-multi",
+            "bf16-device",
             "--out",
             str(tmp_path),
         ],
@@ -33,9 +37,43 @@ def test_benchmark_writes_a_table_with_strict_and_fast(tmp_path):
     assert [(r["amp"], r["loader"]) for r in record["rows"]] == [
         ("fp32", "single"),
         ("fp32", "multi"),
-        ("bf16", "single"),
-        ("bf16", "multi"),
+        ("bf16", "device"),
     ]
     for r in record["rows"]:
         assert r["strict_over_fast"] > 0 and r["strict_distinct_weights"] == 1
-    assert "| convnet | fp32 | single |" in next(tmp_path.glob("benchmark-*.md")).read_text()
+        assert 1e8 < r["flops_per_image"] < 1e9 and r["strict_tflops"] > 0  # ConvNet: 0.17 G
+    table = next(tmp_path.glob("benchmark-*.md")).read_text()
+    assert "| convnet | fp32 | single |" in table and "% of bf16 ceiling" in table
+
+
+def test_dist_benchmark_compares_reductions_and_ddp_across_world_sizes(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "dist_benchmark.py"),
+            "--world-sizes",
+            "1",
+            "2",
+            "--steps",
+            "22",
+            "--repeats",
+            "1",
+            "--ddp",
+            "--out",
+            str(tmp_path),
+            "--",
+            "data.train_size=256",
+            "determinism.cpu_threads=1",
+        ],
+        capture_output=True,
+        text=True,
+        env=user_env(),
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("dist-*.json")]
+    rows = {(r["world_size"], r["reduction"]): r for r in record["rows"]}
+    assert set(rows) == {(1, "ordered"), (1, "ddp"), (2, "ordered"), (2, "all_reduce"), (2, "ddp")}
+    assert rows[(2, "ordered")]["same_bits_as_first"]  # world-size invariance
+    assert all(r["median"] > 0 for r in rows.values())
+    assert "| 2 | ordered |" in next(tmp_path.glob("dist-*.md")).read_text()

@@ -1,0 +1,110 @@
+#!/usr/bin/env python
+"""The peer for the world-size benchmark: plain ``DistributedDataParallel`` on the same model,
+data, global batch and micro-batches as ``train.py``, in a lean loop.
+
+    torchrun --standalone --nproc_per_node=2 scripts/ddp_peer.py --steps 60 -- trainer.batch_size=64
+
+Each rank computes its share of the K micro-batches (the same keyed sampler and
+augmentation), accumulating gradients locally under ``no_sync()``; the last micro-batch's
+backward lets DDP all-reduce the gradients in buckets, overlapped with the backward pass
+(DDP averages over ranks, so the loss is scaled by the world size to get the sum). No trace,
+no logs, no checkpoints: it gives DDP every advantage. Rank 0 prints one JSON line:
+``steady_images_per_second`` (after the first 10 steps, device synchronised) and the final
+weights' SHA-256. ``scripts/dist_benchmark.py --ddp`` runs it beside train.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from repro.config import compose  # noqa: E402
+from repro.data import DeviceNormalizer, make_train_loader  # noqa: E402
+from repro.determinism import apply_determinism  # noqa: E402
+from repro.dist import device_for, launched_world  # noqa: E402
+from repro.loop import build_model, build_optimizer, build_schedule, instantiate_group  # noqa: E402
+from repro.reduction import check_split, share  # noqa: E402
+from repro.rng import seed_forward  # noqa: E402
+from repro.trace import state_dict_sha256  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("overrides", nargs="*", help="train.py overrides (after --)")
+    args = p.parse_args()
+    cfg = compose(args.overrides, ROOT / "conf")
+    world = launched_world()
+    device = device_for(str(cfg.device), world)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    apply_determinism(cfg, device)
+    t = cfg.trainer
+    k = int(t.batch_size) // int(t.micro_batch_size)
+    check_split(k, world)
+    first, count = share(k, world)
+    splits = instantiate_group(cfg.data, "data")
+    model = build_model(cfg, splits, device)
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None
+    )
+    optimizer = build_optimizer(model, cfg.optim)
+    schedule = build_schedule(optimizer, cfg.optim, args.steps)  # train.py's, for these steps
+    loader = make_train_loader(
+        splits,
+        int(cfg.seed),
+        int(t.batch_size),
+        int(t.micro_batch_size),
+        cfg.loader,
+        pin_memory=bool(cfg.loader.pin_memory) and device.type == "cuda",
+        shard=(first, count),
+        device=device,
+    )
+    normalize = DeviceNormalizer(splits, device)
+    amp = torch.bfloat16 if str(cfg.amp.dtype) == "bfloat16" else torch.float16
+    batches = iter(loader)
+    warm, marks = 10, {}
+    for step in range(args.steps):
+        for j in range(count):
+            images, labels = normalize(*next(batches))
+            seed_forward(device, int(cfg.seed), step, first + j)
+            sync = contextlib.nullcontext() if j == count - 1 else ddp.no_sync()
+            with sync:
+                with torch.autocast(device.type, dtype=amp, enabled=bool(cfg.amp.enabled)):
+                    logits = ddp(images)
+                loss = F.cross_entropy(logits.float(), labels, reduction="sum")
+                (loss * world.size / int(t.batch_size)).backward()
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step + 1 in (warm, args.steps):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            marks[step + 1] = time.perf_counter()
+    rate = (args.steps - warm) * int(t.batch_size) / (marks[args.steps] - marks[warm])
+    if world.main:
+        weights = state_dict_sha256(model.state_dict())
+        print(json.dumps({"steady_images_per_second": rate, "weights_sha256": weights}))
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # as train.py does under torchrun: skip the C++ teardown that can abort
+
+
+if __name__ == "__main__":
+    main()
