@@ -395,7 +395,7 @@ def make_train_loader(
     """A DataLoader over micro-batches of the training split (infinite; the loop counts);
     ``shard=(first, count)``: only those micro-batches of each step (this rank's share).
     With ``loader.on_device``, :class:`DeviceBatches` on ``device`` instead."""
-    if loader_cfg.get("on_device"):
+    if getattr(loader_cfg, "on_device", False):
         return DeviceBatches(
             splits,
             seed,
