@@ -11,7 +11,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test test-cuda verify report lint format clean distclean
+.PHONY: help install train test test-cuda verify bench gpu-check report lint format clean distclean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -44,6 +44,12 @@ test-cuda: install ## run only the CUDA-marked tests (on a GPU machine)
 
 verify: install ## train twice and with 0 vs 2 loader workers, compare bits: PASS/FAIL (ARGS="key=value ...")
 	$(PY) scripts/verify.py $(if $(ARGS),-- $(ARGS))
+
+bench: install ## on a CUDA machine: throughput, strict vs fast x amp x loader, into benchmarks/ (ARGS="--steps 200 ...")
+	$(PY) scripts/benchmark.py $(ARGS)
+
+gpu-check: install ## on a GPU machine: CUDA tests, drift demo, benchmark, multi-GPU checks; logs into benchmarks/
+	PY=$(PY) bash scripts/gpu_check.sh $(ARGS)
 
 report: install ## summarise a seed sweep (SWEEP=multirun/<date>/<time>_<id>; default: the newest)
 	@sweep="$(or $(SWEEP),$$(ls -d multirun/*/*/ 2>/dev/null | sort | tail -n 1))"; \
