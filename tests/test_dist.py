@@ -281,3 +281,47 @@ def test_dist_keys_are_in_the_schema():
     assert str(cfg.dist.reduction) == "all_reduce" and str(cfg.dist.backend) == "gloo"
     with pytest.raises(ConfigError, match="dist.reduction"):
         compose(["dist.reduction=mean"], Path(__file__).parents[1] / "conf")
+
+
+def test_running_stats_go_to_the_layer_that_computed_them():
+    """Layers registered a, b but called b, a: each gets its own statistics (as PyTorch's
+    own update would), not the other's by position."""
+
+    class Swapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.BatchNorm1d(3), nn.BatchNorm1d(3)
+
+        def forward(self, x):
+            return self.a(self.b(x) * 0 + 5.0) + x  # b sees x, a sees constant 5
+
+    torch.manual_seed(0)
+    ours, theirs = Swapped(), Swapped()
+    stats = RunningStats(ours)
+    x = torch.randn(16, 3)
+    with stats.capture() as recorded:
+        ours(x)
+    stats.update([recorded])
+    theirs(x)
+    for key, value in theirs.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[key], value, rtol=1e-6, atol=1e-7)
+
+
+def test_running_stats_refuse_what_they_cannot_reconcile():
+    with pytest.raises(ConfigError, match="InstanceNorm2d"):
+        RunningStats(nn.Sequential(nn.InstanceNorm2d(3, track_running_stats=True)))
+
+    class Skips(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.BatchNorm1d(3), nn.BatchNorm1d(3)
+
+        def forward(self, x, use_b=False):
+            return self.b(x) if use_b else self.a(x)
+
+    model = Skips()
+    stats = RunningStats(model)
+    with pytest.raises(RuntimeError, match="b did not run"):
+        with stats.capture():
+            model(torch.randn(4, 3))
+    assert model.a.track_running_stats and model.b.track_running_stats  # restored

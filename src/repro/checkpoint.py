@@ -189,6 +189,7 @@ RELEVANT_CONFIG = (
     "determinism",
     "trainer.batch_size",
     "trainer.micro_batch_size",
+    "dist.reduction",
     "trainer.max_steps",
 )
 RELEVANT_ENVIRONMENT = ("torch", "cuda", "cudnn", "gpu", "gpu_sm_count")

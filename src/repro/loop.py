@@ -423,7 +423,11 @@ def train(
         log.info(report.format())
         _write_json(run_dir / (ENV_FILE if not resume else f"env-resume-{start}.json"), fingerprint)
 
+    if not world.main:
+        barrier(world)  # rank 0 builds the data first (a download, say) ...
     splits: DataSplits = instantiate_group(cfg.data, "data")
+    if world.main:
+        barrier(world)  # ... then the others read what it left
     model = build_model(cfg, splits, device)
     running_stats = RunningStats(model)
     optimizer = build_optimizer(model, cfg.optim)

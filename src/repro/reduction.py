@@ -121,7 +121,10 @@ class Reducer:
         # Own allocations, as autograd's gradients are: views into the gathered buffer sit at
         # arbitrary offsets, and CUDA's multi-tensor kernels (the gradient norm's
         # _foreach_norm) take another summation path for unaligned tensors (seen on H200).
-        total_grads = [g.clone() for g in total_grads]
+        # (empty_like keeps each local gradient's memory format: channels_last stays so)
+        total_grads = [
+            torch.empty_like(g).copy_(t) for g, t in zip(grads, total_grads, strict=True)
+        ]
         return total_loss, total_grads, _regroup([p[n:] for p in parts], extras, w)
 
     def _gather(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -18,30 +18,37 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 
 from repro.errors import ConfigError
 
 
 class RunningStats:
     def __init__(self, model: nn.Module) -> None:
-        self.layers = [
-            (name, m)
-            for name, m in model.named_modules()
-            if isinstance(m, _BatchNorm) and m.track_running_stats and m.running_mean is not None
-        ]
-        for name, m in self.layers:
+        self.layers: list[tuple[str, _BatchNorm]] = []
+        for name, m in model.named_modules():
+            if not (isinstance(m, _NormBase) and m.track_running_stats):
+                continue
             if isinstance(m, nn.SyncBatchNorm):
                 raise ConfigError(
                     f"model: {name} is a SyncBatchNorm, whose statistics depend on the "
                     "number of processes; use BatchNorm (statistics per micro-batch, running "
                     "buffers reconciled in a fixed order by the loop)."
                 )
-        self._recorded: list[torch.Tensor] | None = None
+            if not isinstance(m, _BatchNorm):
+                raise ConfigError(
+                    f"model: {name} ({type(m).__name__}) keeps running statistics that only "
+                    "BatchNorm layers get reconciled in micro-batch order; set "
+                    "track_running_stats=False or use BatchNorm/GroupNorm."
+                )
+            if m.running_mean is not None:
+                self.layers.append((name, m))
+        self._recorded: list[torch.Tensor | None] | None = None
 
     def __bool__(self) -> bool:
         return bool(self.layers)
@@ -49,15 +56,21 @@ class RunningStats:
     @contextmanager
     def capture(self) -> Iterator[list[torch.Tensor]]:
         """Around one micro-batch's training forward: yields the list that receives, per
-        layer in order, its input's mean and unbiased variance (float32)."""
+        layer (in the model's module order, whatever order the forward calls them in), its
+        input's mean and unbiased variance (float32). Raises if a layer runs twice or not
+        at all: its running statistics could not be reconciled."""
         recorded: list[torch.Tensor] = []
         if not self.layers:
             yield recorded
             return
-        handles = [m.register_forward_pre_hook(self._record) for _, m in self.layers]
+        slots: list[torch.Tensor | None] = [None] * (2 * len(self.layers))
+        handles = [
+            m.register_forward_pre_hook(partial(self._record, i))
+            for i, (_, m) in enumerate(self.layers)
+        ]
         for _, m in self.layers:
             m.track_running_stats = False  # normalise with batch statistics, update nothing
-        self._recorded = recorded
+        self._recorded = slots
         try:
             yield recorded
         finally:
@@ -66,26 +79,33 @@ class RunningStats:
                 m.track_running_stats = True
             for h in handles:
                 h.remove()
+        missing = [self.layers[i // 2][0] for i in range(0, len(slots), 2) if slots[i] is None]
+        if missing:
+            raise RuntimeError(
+                f"RunningStats: BatchNorm layer(s) {', '.join(missing)} did not run in this "
+                "training forward; a layer that runs on some micro-batches only cannot have "
+                "its running statistics reconciled in a fixed order."
+            )
+        recorded += slots  # type: ignore[arg-type]
 
-    def _record(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+    def _record(self, i: int, module: nn.Module, args: tuple[Any, ...]) -> None:
         if self._recorded is None or not module.training:
             return
+        if self._recorded[2 * i] is not None:
+            raise RuntimeError(
+                f"RunningStats: BatchNorm layer {self.layers[i][0]} ran twice in one forward; "
+                "its running statistics cannot be reconciled (use one layer per call)."
+            )
         x = args[0]
         dims = [d for d in range(x.dim()) if d != 1]
         with torch.no_grad():
             var, mean = torch.var_mean(x.detach().float(), dim=dims, correction=1)
-        self._recorded += [mean, var]
+        self._recorded[2 * i], self._recorded[2 * i + 1] = mean, var
 
     @torch.no_grad()
     def update(self, per_micro_batch: list[list[torch.Tensor]]) -> None:
         """Fold the statistics of each micro-batch, in order, into the running buffers."""
         for recorded in per_micro_batch:
-            if len(recorded) != 2 * len(self.layers):
-                raise RuntimeError(
-                    f"RunningStats: {len(recorded) // 2} of {len(self.layers)} BatchNorm "
-                    "layers ran in a training forward; a layer called twice or skipped cannot "
-                    "be reconciled."
-                )
             for (_, m), mean, var in zip(self.layers, recorded[::2], recorded[1::2], strict=True):
                 m.num_batches_tracked.add_(1)
                 if m.momentum is None:  # cumulative moving average, as PyTorch does
