@@ -325,3 +325,19 @@ def test_running_stats_refuse_what_they_cannot_reconcile():
         with stats.capture():
             model(torch.randn(4, 3))
     assert model.a.track_running_stats and model.b.track_running_stats  # restored
+
+
+def test_resume_compares_the_reduction_and_accepts_checkpoints_from_before_it():
+    from repro.checkpoint import mismatches
+
+    before = {"config": {"seed": 0, "determinism": {"mode": "strict"}}, "device": "cpu"}
+    now = {
+        "seed": 0,
+        "determinism": {"mode": "strict", "nccl_env": {"NCCL_ALGO": "Ring"}},
+        "dist": {"reduction": "ordered"},
+    }
+    assert mismatches(before, now, {}, "cpu") == []  # written before dist.* existed
+    now["dist"]["reduction"] = "all_reduce"
+    assert mismatches(before, now, {}, "cpu") == [
+        "dist.reduction: ordered (checkpoint) vs all_reduce (now)"
+    ]

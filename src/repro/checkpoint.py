@@ -192,6 +192,11 @@ RELEVANT_CONFIG = (
     "dist.reduction",
     "trainer.max_steps",
 )
+# Keys that checkpoints written before they existed lack, and what their absence meant then.
+ABSENT_MEANS = {"dist.reduction": "ordered"}
+# Relevant-looking keys that cannot change the bits of a resumed run: the NCCL settings only
+# matter to dist.reduction=all_reduce, which is compared itself.
+NOT_COMPARED = ("determinism.nccl_env",)
 RELEVANT_ENVIRONMENT = ("torch", "cuda", "cudnn", "gpu", "gpu_sm_count")
 
 
@@ -203,8 +208,11 @@ def mismatches(
     old, new = flatten(state.get("config") or {}), flatten(config)
     out = []
     for key in sorted(set(old) | set(new)):
+        if key.startswith(NOT_COMPARED):
+            continue
         if any(key == r or key.startswith(r + ".") for r in RELEVANT_CONFIG):
-            a, b = old.get(key, "(absent)"), new.get(key, "(absent)")
+            absent = ABSENT_MEANS.get(key, "(absent)")
+            a, b = old.get(key, absent), new.get(key, absent)
             if a != b:
                 out.append(f"{key}: {a} (checkpoint) vs {b} (now)")
     written_on = torch.device(state.get("device", device)).type  # cuda:1 and cuda are one kind
