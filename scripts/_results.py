@@ -2,9 +2,31 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
+import shlex
+import sys
 from pathlib import Path
 from typing import Any
+
+
+def command_line() -> str:
+    """The exact command that is running (``python scripts/<name> <args>``)."""
+    return f"python scripts/{Path(sys.argv[0]).name} " + shlex.join(sys.argv[1:])
+
+
+def today() -> str:
+    return dt.date.today().isoformat()
+
+
+def environment_line(env: dict[str, Any]) -> str:
+    """Where it ran, for the markdown: the GPU with driver, SMs and versions, or the CPU."""
+    if env.get("gpu"):
+        return (
+            f"{env['gpu']} (driver {env.get('gpu_driver')}, {env.get('gpu_sm_count')} SMs), "
+            f"torch {env.get('torch')}, CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')}"
+        )
+    return f"CPU {env.get('cpu')} ({env.get('cpu_count')} cores), torch {env.get('torch')}"
 
 
 def write_results(

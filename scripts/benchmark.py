@@ -15,9 +15,7 @@ benchmarks/benchmark-<date>-<gpu>.md/.json with the versions and the exact comma
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import logging
-import shlex
 import statistics
 import sys
 import tempfile
@@ -29,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from _results import write_results  # noqa: E402
+from _results import command_line, environment_line, today, write_results  # noqa: E402
 
 from repro.config import compose  # noqa: E402
 from repro.determinism import pin_process_environment  # noqa: E402
@@ -162,10 +160,9 @@ def main() -> int:
         r["strict_tflops"] = r["median"]["strict"] * flops[r["model"]] / 1e12
 
     env = environment()
-    command = "python scripts/benchmark.py " + shlex.join(sys.argv[1:])
-    today = dt.date.today().isoformat()
+    command, date = command_line(), today()
     record = {
-        "date": today,
+        "date": date,
         "command": command,
         "environment": env,
         "steps": args.steps,
@@ -174,13 +171,11 @@ def main() -> int:
         "rows": rows,
     }
     lines = [
-        f"# Throughput, strict vs fast, {today}",
+        f"# Throughput, strict vs fast, {date}",
         "",
         f"`{command}`",
         "",
-        f"Device {env.get('gpu') or 'CPU ' + str(env.get('cpu'))} (driver {env.get('gpu_driver')}), "
-        f"torch {env.get('torch')}, CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')}. "
-        f"{args.steps} steps per run, images/s over the last {args.steps - args.warmup} "
+        f"{environment_line(env)}. {args.steps} steps per run, images/s over the last {args.steps - args.warmup} "
         f"(evaluation excluded); {args.repeats} repeats per mode, alternated, one process.",
         "",
         "| model | amp | loader | strict img/s (min–max) | fast img/s (min–max) | strict / fast "
@@ -204,7 +199,7 @@ def main() -> int:
         "(fp32 rows are further from theirs: fp32 runs on CUDA cores).",
     ]
     text = "\n".join(lines) + "\n"
-    write_results(args.out, "benchmark", today, env, text, record)
+    write_results(args.out, "benchmark", date, env, text, record)
     return 0
 
 

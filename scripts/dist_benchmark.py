@@ -18,7 +18,6 @@ exact command.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import shlex
@@ -31,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from _results import write_results  # noqa: E402
+from _results import command_line, environment_line, today, write_results  # noqa: E402
 
 
 def launch(run_dir: Path, world_size: int, reduction: str, steps: int, extra: list[str]) -> dict:
@@ -39,31 +38,36 @@ def launch(run_dir: Path, world_size: int, reduction: str, steps: int, extra: li
     torchrun.append(f"--nproc_per_node={world_size}")
     env = {**os.environ, "PYTHONHASHSEED": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     env.setdefault("NCCL_NVLS_ENABLE", "0")
-    if reduction == "ddp":
-        cmd = [*torchrun, str(ROOT / "scripts" / "ddp_peer.py"), f"--steps={steps}", "--", *extra]
+
+    def run(cmd: list[str]) -> str:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"dist_benchmark: {shlex.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        return proc.stdout
+
+    if reduction == "ddp":
+        out = run(
+            [*torchrun, str(ROOT / "scripts" / "ddp_peer.py"), f"--steps={steps}", "--", *extra]
+        )
+        result = json.loads(out.strip().splitlines()[-1])
         return {
             "images_per_second": result["steady_images_per_second"],
             "weights": result["weights_sha256"],
             "environment": None,
         }
-    cmd = [
-        *(torchrun if world_size > 1 else [sys.executable]),
-        str(ROOT / "train.py"),
-        f"hydra.run.dir={run_dir}",
-        f"trainer.max_steps={steps}",
-        f"trainer.eval_every={steps}",
-        "trainer.checkpoint_every=0",
-        "trainer.progress=false",
-        f"dist.reduction={reduction}",
-        *extra,
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"dist_benchmark: {shlex.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    run(
+        [
+            *(torchrun if world_size > 1 else [sys.executable]),
+            str(ROOT / "train.py"),
+            f"hydra.run.dir={run_dir}",
+            f"trainer.max_steps={steps}",
+            f"trainer.eval_every={steps}",
+            "trainer.checkpoint_every=0",
+            "trainer.progress=false",
+            f"dist.reduction={reduction}",
+            *extra,
+        ]
+    )
     summary = json.loads((run_dir / "summary.json").read_text())
     return {
         "images_per_second": summary["steady_images_per_second"],
@@ -128,16 +132,13 @@ def main() -> int:
     median = {(r["world_size"], r["reduction"]): r["median"] for r in rows}
     base = median[(args.world_sizes[0], "ordered")]
 
-    command = "python scripts/dist_benchmark.py " + shlex.join(sys.argv[1:])
-    today = dt.date.today().isoformat()
-    device = env.get("gpu") or f"CPU {env.get('cpu')} ({env.get('cpu_count')} cores)"
+    command, date = command_line(), today()
     lines = [
-        f"# World-size invariance: what the fixed-order reduction costs, {today}",
+        f"# World-size invariance: what the fixed-order reduction costs, {date}",
         "",
         f"`{command}`",
         "",
-        f"{device}, driver {env.get('gpu_driver')}, torch {env.get('torch')}, CUDA "
-        f"{env.get('cuda')}, cuDNN {env.get('cudnn')}; backend "
+        f"{environment_line(env)}; backend "
         f"{'NCCL (+gloo for CPU messages)' if env.get('gpu') else 'gloo'}. "
         f"{args.steps} steps per run, images/s after the first 10; {args.repeats} repeats, "
         "the two reductions alternated. Overrides: "
@@ -162,7 +163,7 @@ def main() -> int:
         )
     text = "\n".join(lines) + "\n"
     record = {
-        "date": today,
+        "date": date,
         "command": command,
         "environment": env,
         "steps": args.steps,
@@ -170,9 +171,7 @@ def main() -> int:
         "overrides": args.overrides,
         "rows": rows,
     }
-    write_results(
-        args.out, f"dist-{args.label}" if args.label else "dist", today, env, text, record
-    )
+    write_results(args.out, f"dist-{args.label}" if args.label else "dist", date, env, text, record)
     return 0
 
 

@@ -15,10 +15,8 @@ torch/CUDA/cuDNN versions and the exact command.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -28,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from _results import write_results  # noqa: E402
+from _results import command_line, environment_line, today, write_results  # noqa: E402
 
 
 def train(run_dir: Path, mode: str, args: argparse.Namespace) -> dict:
@@ -94,10 +92,9 @@ def main() -> int:
                 "images_per_second_median": statistics.median(r["images_per_second"] for r in runs),
             }
         )
-    command = "python scripts/drift_demo.py " + shlex.join(sys.argv[1:])
-    today = dt.date.today().isoformat()
+    command, date = command_line(), today()
     record = {
-        "date": today,
+        "date": date,
         "command": command,
         "environment": env,
         "model": args.model,
@@ -108,12 +105,11 @@ def main() -> int:
     }
 
     lines = [
-        f"# Drift demonstration, {today}",
+        f"# Drift demonstration, {date}",
         "",
         f"`{command}`",
         "",
-        f"GPU {env.get('gpu')} (driver {env.get('gpu_driver')}, {env.get('gpu_sm_count')} SMs), "
-        f"torch {env.get('torch')}, CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')}.",
+        f"{environment_line(env)}.",
         f"Model `{args.model}`, fp32, {args.steps} steps, batch {args.batch} "
         f"(micro-batch {args.micro}), seed {args.seed}; each run a separate process.",
         "",
@@ -131,7 +127,7 @@ def main() -> int:
         + "; ".join(f"{r['mode']}: {', '.join(repr(v) for v in r['final_loss'])}" for r in rows),
     ]
     text = "\n".join(lines) + "\n"
-    write_results(args.out, "drift", today, env, text, record)
+    write_results(args.out, "drift", date, env, text, record)
     return 0
 
 

@@ -14,9 +14,7 @@ benchmarks/trace-overhead-<date>-<gpu>.md/.json with the versions and the exact 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import logging
-import shlex
 import statistics
 import sys
 import tempfile
@@ -25,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from _results import write_results  # noqa: E402
+from _results import command_line, environment_line, today, write_results  # noqa: E402
 
 from repro.config import compose  # noqa: E402
 from repro.determinism import pin_process_environment  # noqa: E402
@@ -73,10 +71,9 @@ def main() -> int:
     batch = int(cfg0.trainer.batch_size)
     overhead = 1 - med["on"] / med["off"]
     digests = {r["weights_sha256"] for v in results.values() for r in v}
-    command = "python scripts/trace_overhead.py " + shlex.join(sys.argv[1:])
-    today = dt.date.today().isoformat()
+    command, date = command_line(), today()
     record = {
-        "date": today,
+        "date": date,
         "command": command,
         "environment": env,
         "model": cfg0.model._target_,
@@ -89,13 +86,11 @@ def main() -> int:
         "distinct_weights": len(digests),
     }
     lines = [
-        f"# Trace overhead, {today}",
+        f"# Trace overhead, {date}",
         "",
         f"`{command}`",
         "",
-        f"Device {env.get('gpu') or 'CPU: ' + str(env.get('cpu'))} (driver "
-        f"{env.get('gpu_driver')}), torch {env.get('torch')}, CUDA {env.get('cuda')}, "
-        f"cuDNN {env.get('cudnn')}. Model `{cfg0.model._target_}`, batch {batch}, "
+        f"{environment_line(env)}. Model `{cfg0.model._target_}`, batch {batch}, "
         f"{args.steps} steps per run, strict, trace_every {cfg0.trainer.trace_every}; one "
         f"process, warm-up run excluded, settings alternated.",
         "",
@@ -115,7 +110,7 @@ def main() -> int:
         "change the bits).",
     ]
     text = "\n".join(lines) + "\n"
-    write_results(args.out, "trace-overhead", today, env, text, record)
+    write_results(args.out, "trace-overhead", date, env, text, record)
     return 0
 
 

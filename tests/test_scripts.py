@@ -7,32 +7,36 @@ import sys
 from conftest import ROOT, user_env
 
 
-def test_benchmark_writes_a_table_with_strict_and_fast(tmp_path):
+def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
     out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "benchmark.py"),
-            "--steps",
-            "4",
-            "--warmup",
-            "2",
-            "--repeats",
-            "1",
-            "--models",
-            "convnet",
-            "--variants",
-            "fp32-single",
-            "fp32-multi",
-            "bf16-device",
-            "--out",
-            str(tmp_path),
-        ],
+        [sys.executable, str(ROOT / "scripts" / name), *args],
         capture_output=True,
         text=True,
         env=user_env(),
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def test_benchmark_writes_a_table_with_strict_and_fast(tmp_path):
+    run_script(
+        "benchmark.py",
+        "--steps",
+        "4",
+        "--warmup",
+        "2",
+        "--repeats",
+        "1",
+        "--models",
+        "convnet",
+        "--variants",
+        "fp32-single",
+        "fp32-multi",
+        "bf16-device",
+        "--out",
+        str(tmp_path),
+    )
     (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("benchmark-*.json")]
     assert [(r["amp"], r["loader"]) for r in record["rows"]] == [
         ("fp32", "single"),
@@ -47,30 +51,22 @@ def test_benchmark_writes_a_table_with_strict_and_fast(tmp_path):
 
 
 def test_dist_benchmark_compares_reductions_and_ddp_across_world_sizes(tmp_path):
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "dist_benchmark.py"),
-            "--world-sizes",
-            "1",
-            "2",
-            "--steps",
-            "22",
-            "--repeats",
-            "1",
-            "--ddp",
-            "--out",
-            str(tmp_path),
-            "--",
-            "data.train_size=256",
-            "determinism.cpu_threads=1",
-        ],
-        capture_output=True,
-        text=True,
-        env=user_env(),
-        timeout=600,
+    run_script(
+        "dist_benchmark.py",
+        "--world-sizes",
+        "1",
+        "2",
+        "--steps",
+        "22",
+        "--repeats",
+        "1",
+        "--ddp",
+        "--out",
+        str(tmp_path),
+        "--",
+        "data.train_size=256",
+        "determinism.cpu_threads=1",
     )
-    assert out.returncode == 0, out.stderr[-3000:]
     (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("dist-*.json")]
     rows = {(r["world_size"], r["reduction"]): r for r in record["rows"]}
     assert set(rows) == {(1, "ordered"), (1, "ddp"), (2, "ordered"), (2, "all_reduce"), (2, "ddp")}

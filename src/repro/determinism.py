@@ -28,6 +28,7 @@ import torch
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from repro import dist
 from repro.config import validate
 from repro.errors import ConfigError, DeterminismError, ReproError, exit_with
 from repro.rng import seed_global_rngs
@@ -116,8 +117,6 @@ class PrepareRunCallback(Callback):
     nothing behind."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from repro import dist
-
         try:
             validate(config)
             pin_process_environment(config.determinism)
@@ -128,8 +127,6 @@ class PrepareRunCallback(Callback):
             exit_with(err)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from repro import dist
-
         try:
             if dist.launched_world().distributed:
                 raise ConfigError(
@@ -259,7 +256,7 @@ def _layer0_process(report: DeterminismReport, dcfg: DictConfig, device: torch.d
         note="'1' silently turns TF32 on",
     )
     report.add(name, "re-executed to pin the environment", bool(os.environ.get(REEXEC_MARKER)))
-    if os.environ.get("WORLD_SIZE", "1") != "1" and device.type == "cuda":
+    if dist.launched_world().distributed and device.type == "cuda":
         for var, value in dcfg.nccl_env.items():
             report.add(name, var, os.environ.get(var), str(value), note="read when NCCL starts")
 

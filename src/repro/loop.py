@@ -18,7 +18,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -166,13 +166,13 @@ def train_step(
     micro-batch order (:class:`RunningStats`)."""
     params = [p for p in model.parameters() if p.requires_grad]
     device = params[0].device
-    stats = running_stats or RunningStats(nn.Module())
     recorded: list[list[torch.Tensor]] = []
+    stats = running_stats if running_stats else None  # None: no BatchNorm to reconcile
 
     def leaf(k: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         images, labels = micro_batches[k - first]
         seed_forward(device, seed, step, k)  # dropout masks keyed by (seed, step, k)
-        with autocast(), stats.capture() as batch_stats:
+        with autocast(), stats.capture() if stats else nullcontext([]) as batch_stats:
             logits = model(images)
         recorded.append(batch_stats)
         loss = F.cross_entropy(logits.float(), labels, reduction="sum") / batch_size
