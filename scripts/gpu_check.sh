@@ -7,7 +7,7 @@
 #   scripts/gpu_check.sh --out /tmp/o tests dist
 #
 # Parts: tests (pytest -m cuda), drift (scripts/drift_demo.py), bench (scripts/benchmark.py),
-# dist (scripts/dist_benchmark.py on 1, 2 [, 4] GPUs: ResNet-18 preset at batch 256, bf16,
+# dist (scripts/dist_benchmark.py --ddp on 1, 2 [, 4] GPUs: ResNet-18 preset at batch 256, bf16,
 # then the default ConvNet at batch 128; 6 loader workers a rank). PY picks the interpreter (default: python3).
 # Exit status: 1 if any part failed (the others still run).
 set -uo pipefail
@@ -53,11 +53,11 @@ run_part() {  # name, command...
         if [ "$ngpu" -lt 2 ]; then echo "== dist: skipped (1 GPU)"; continue; fi
         sizes="1 2"; [ "$ngpu" -ge 4 ] && sizes="1 2 4"
         # shellcheck disable=SC2086
-        run_part dist-resnet18 "$PY" scripts/dist_benchmark.py --world-sizes $sizes \
+        run_part dist-resnet18 "$PY" scripts/dist_benchmark.py --ddp --world-sizes $sizes \
           --steps 200 --label resnet18 --out "$out" -- device=cuda model=resnet18 trainer.batch_size=256 \
           trainer.micro_batch_size=64 amp=on loader=multi loader.num_workers=6
         # shellcheck disable=SC2086
-        run_part dist-convnet "$PY" scripts/dist_benchmark.py --world-sizes $sizes \
+        run_part dist-convnet "$PY" scripts/dist_benchmark.py --ddp --world-sizes $sizes \
           --steps 200 --label convnet --out "$out" -- device=cuda trainer.batch_size=128 \
           trainer.micro_batch_size=32 amp=on loader=multi loader.num_workers=6
         ;;
