@@ -51,6 +51,8 @@ def main() -> None:
     world = launched_world()
     device = device_for(str(cfg.device), world)
     if device.type == "cuda":
+        if device.index is None:  # `device=cuda` in one process: DDP wants an index
+            device = torch.device("cuda", world.local_rank)
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     apply_determinism(cfg, device)
