@@ -54,6 +54,9 @@ def main() -> None:
         if device.index is None:  # `device=cuda` in one process: DDP wants an index
             device = torch.device("cuda", world.local_rank)
         torch.cuda.set_device(device)
+        # the NCCL settings train.py pins for this mode (strict: Ring/Simple, NVLS off), so the
+        # all-reduce runs under the same rules as train.py's
+        os.environ.update(dict(cfg.determinism.nccl_env))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     apply_determinism(cfg, device)
     t = cfg.trainer
