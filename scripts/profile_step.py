@@ -1,0 +1,193 @@
+#!/usr/bin/env python
+"""Where a training step's time goes: ``torch.profiler`` over train.py's own loop.
+
+    python scripts/profile_step.py -- model=resnet18 trainer.batch_size=256 amp=on
+    python scripts/profile_step.py --nproc 2 -- device=cuda model=resnet18 ...   # torchrun
+
+Runs ``repro.loop.train`` with the given overrides (the same config train.py composes) for
+``--wait + --warmup + --active + 1`` steps and profiles the ``--active`` steady steps (no
+evaluation, checkpoint or traced step falls inside them) on rank 0. Reports, per step: wall
+time (device synchronised at both ends of the window), time the device was busy (kernels
+and copies, summed), kernel launches and host-device synchronisations; then the top
+operators by self CPU time and by self device time. Writes
+``<out>/profile-<label>-<date>-<gpu or cpu>.md`` (``--trace`` adds a Chrome trace, large).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from _results import command_line, environment_line, today  # noqa: E402
+
+CHILD = "REPRO_PROFILE_CHILD"
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--nproc", type=int, default=1, help="processes (torchrun if > 1)")
+    p.add_argument("--wait", type=int, default=10, help="steps before the profiler starts")
+    p.add_argument("--warmup", type=int, default=5, help="profiler warm-up steps")
+    p.add_argument("--active", type=int, default=10, help="steps profiled")
+    p.add_argument("--top", type=int, default=25, help="operators listed per table")
+    p.add_argument("--label", default="run", help="goes into the file name")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks")
+    p.add_argument("--trace", action="store_true", help="also write the Chrome trace")
+    p.add_argument("overrides", nargs="*", help="train.py overrides (after --)")
+    args = p.parse_args(argv)
+    for name in ("nproc", "active"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1")
+    if args.wait < 0 or args.warmup < 0:
+        p.error("--wait and --warmup must be 0 or more")
+    return args
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Run this script again as the training process(es), under torchrun if --nproc > 1."""
+    cmd = [sys.executable]
+    if args.nproc > 1:
+        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
+    # the arguments travel in the environment: torchrun would parse options after the script
+    env = {**os.environ, CHILD: json.dumps([command_line(), sys.argv[1:]])}
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
+    return subprocess.run([*cmd, str(Path(__file__).resolve())], env=env).returncode
+
+
+def profile(args: argparse.Namespace) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, schedule
+
+    from repro.config import compose
+    from repro.determinism import pin_process_environment
+    from repro.dist import launched_world, shutdown
+    from repro.loop import train
+
+    steps = args.wait + args.warmup + args.active + 1  # the last (traced) step is not profiled
+    overrides = [
+        *args.overrides,
+        f"trainer.max_steps={steps}",
+        f"trainer.eval_every={steps}",
+        "trainer.checkpoint_every=0",
+        "trainer.progress=false",
+    ]
+    cfg = compose(overrides, ROOT / "conf")
+    pin_process_environment(cfg.determinism)  # strict: re-executes once (PYTHONHASHSEED, ...)
+    world = launched_world()
+    cuda = str(cfg.device) != "cpu" and torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    prof = torch.profiler.profile(
+        activities=activities,
+        schedule=schedule(wait=args.wait, warmup=args.warmup, active=args.active, repeat=1),
+    )
+    first, last = args.wait + args.warmup, args.wait + args.warmup + args.active
+    marks: dict[int, float] = {}
+
+    def after_step(step: int, model: torch.nn.Module) -> None:
+        if step in (first, last):
+            if cuda:
+                torch.cuda.synchronize()
+            marks[step] = time.perf_counter()
+        prof.step()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if world.main:
+            prof.start()
+        summary = train(cfg, Path(tmp) / "run", after_step=after_step if world.main else None)
+        if world.main:
+            prof.stop()
+    if world.main:
+        wall_ms = (marks[last] - marks[first]) * 1e3 / args.active
+        report(args, prof, summary["environment"], wall_ms, overrides, world.size)
+    shutdown()
+
+
+def report(args, prof, env: dict, wall_ms: float, overrides: list[str], nproc: int) -> None:
+    events = prof.key_averages()
+    n = args.active
+
+    def device_us(e) -> float:
+        return float(getattr(e, "self_device_time_total", 0) or 0)
+
+    busy_ms = sum(device_us(e) for e in events) / 1e3 / n
+    launches = sum(e.count for e in events if "LaunchKernel" in e.key) / n
+    syncs = sum(
+        e.count
+        for e in events
+        if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+    ) / n
+    cpu_top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[: args.top]
+    dev_top = sorted(events, key=device_us, reverse=True)[: args.top]
+
+    def table(rows, value, unit_total) -> list[str]:
+        lines = ["| operator | calls/step | self ms/step | share |", "|---|---|---|---|"]
+        for e in rows:
+            v = value(e)
+            if v <= 0:
+                break
+            name = e.key if len(e.key) <= 90 else e.key[:87] + "..."
+            lines.append(
+                f"| `{name}` | {e.count / n:g} | {v / 1e3 / n:.3f} | {v / unit_total:.1%} |"
+            )
+        return lines
+
+    cpu_total = sum(e.self_cpu_time_total for e in events) or 1.0
+    dev_total = sum(device_us(e) for e in events) or 1.0
+    text = "\n".join(
+        [
+            f"# Where a step's time goes: {args.label}, {today()}",
+            "",
+            f"`{json.loads(os.environ[CHILD])[0]}`",
+            "",
+            f"{environment_line(env)}; {nproc} process(es), rank 0 profiled. Steps "
+            f"{args.wait + args.warmup + 1}–{args.wait + args.warmup + n} of "
+            f"`{' '.join(overrides)}`.",
+            "",
+            f"- wall time per step: **{wall_ms:.2f} ms** (device synchronised at both ends)",
+            f"- device busy per step: **{busy_ms:.2f} ms** (kernels and copies summed; "
+            f"{busy_ms / wall_ms:.0%} of the wall time)",
+            f"- kernel launches per step: {launches:.0f}; host-device synchronisations per "
+            f"step: {syncs:g}",
+            "",
+            "## Top operators by self CPU time",
+            "",
+            *table(cpu_top, lambda e: e.self_cpu_time_total, cpu_total),
+            "",
+            "## Top operators by self device time",
+            "",
+            *table(dev_top, device_us, dev_total),
+            "",
+        ]
+    )
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"profile-{args.label}-{today()}-{(env.get('gpu') or 'cpu').replace(' ', '_')}"
+    (args.out / f"{stem}.md").write_text(text)
+    if args.trace:
+        prof.export_chrome_trace(str(args.out / f"{stem}.trace.json"))
+    print(f"wrote {args.out / stem}.md")
+
+
+def main() -> int:
+    if not os.environ.get(CHILD):
+        return launch(parse(sys.argv[1:]))
+    profile(parse(json.loads(os.environ[CHILD])[1]))
+    if os.environ.get("WORLD_SIZE", "1") != "1":  # as train.py under torchrun: skip the
+        sys.stdout.flush()  # C++ teardown of the process group that can abort at exit
+        os._exit(0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
