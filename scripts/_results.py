@@ -30,12 +30,22 @@ def environment_line(env: dict[str, Any]) -> str:
 
 
 def write_results(
-    out: Path, kind: str, date: str, env: dict[str, Any], text: str, record: Any
+    out: Path,
+    kind: str,
+    date: str,
+    env: dict[str, Any],
+    text: str,
+    record: Any,
+    devices: int = 1,
 ) -> None:
-    """Print ``text`` and write ``<out>/<kind>-<date>-<gpu or cpu>.md`` and ``.json``."""
+    """Print ``text`` and write ``<out>/<kind>-<date>-<gpu or cpu>.md`` and ``.json``
+    (``<N>x<gpu>`` when ``devices`` GPUs took part)."""
     print(text)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{kind}-{date}-{(env.get('gpu') or 'cpu').replace(' ', '_')}"
+    where = (env.get("gpu") or "cpu").replace(" ", "_")
+    if devices > 1 and env.get("gpu"):
+        where = f"{devices}x{where}"
+    stem = f"{kind}-{date}-{where}"
     (out / f"{stem}.md").write_text(text)
     (out / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out / stem}.md/.json")

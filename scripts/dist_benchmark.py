@@ -171,7 +171,8 @@ def main() -> int:
         "overrides": args.overrides,
         "rows": rows,
     }
-    write_results(args.out, f"dist-{args.label}" if args.label else "dist", date, env, text, record)
+    kind = f"dist-{args.label}" if args.label else "dist"
+    write_results(args.out, kind, date, env, text, record, devices=max(args.world_sizes))
     return 0
 
 

@@ -114,21 +114,30 @@ def profile(args: argparse.Namespace) -> None:
 
 
 def report(args, prof, env: dict, wall_ms: float, overrides: list[str], nproc: int) -> None:
+    from torch.autograd import DeviceType
+
     events = prof.key_averages()
     n = args.active
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    # kernels, copies and memsets on the device (an operator's own device time is its
+    # kernels': counting both would count them twice)
+    device = [e for e in events if e.device_type != DeviceType.CPU]
 
     def device_us(e) -> float:
         return float(getattr(e, "self_device_time_total", 0) or 0)
 
-    busy_ms = sum(device_us(e) for e in events) / 1e3 / n
-    launches = sum(e.count for e in events if "LaunchKernel" in e.key) / n
-    syncs = sum(
-        e.count
-        for e in events
-        if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
-    ) / n
-    cpu_top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[: args.top]
-    dev_top = sorted(events, key=device_us, reverse=True)[: args.top]
+    busy_ms = sum(device_us(e) for e in device) / 1e3 / n
+    launches = sum(e.count for e in host if "LaunchKernel" in e.key) / n
+    syncs = (
+        sum(
+            e.count
+            for e in host
+            if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+        )
+        / n
+    )
+    cpu_top = sorted(host, key=lambda e: e.self_cpu_time_total, reverse=True)[: args.top]
+    dev_top = sorted(device, key=device_us, reverse=True)[: args.top]
 
     def table(rows, value, unit_total) -> list[str]:
         lines = ["| operator | calls/step | self ms/step | share |", "|---|---|---|---|"]
@@ -142,8 +151,8 @@ def report(args, prof, env: dict, wall_ms: float, overrides: list[str], nproc: i
             )
         return lines
 
-    cpu_total = sum(e.self_cpu_time_total for e in events) or 1.0
-    dev_total = sum(device_us(e) for e in events) or 1.0
+    cpu_total = sum(e.self_cpu_time_total for e in host) or 1.0
+    dev_total = sum(device_us(e) for e in device) or 1.0
     text = "\n".join(
         [
             f"# Where a step's time goes: {args.label}, {today()}",
@@ -156,15 +165,17 @@ def report(args, prof, env: dict, wall_ms: float, overrides: list[str], nproc: i
             "",
             f"- wall time per step: **{wall_ms:.2f} ms** (device synchronised at both ends)",
             f"- device busy per step: **{busy_ms:.2f} ms** (kernels and copies summed; "
-            f"{busy_ms / wall_ms:.0%} of the wall time)",
+            f"{busy_ms / wall_ms:.0%} of the wall time; streams that overlap can pass 100%)",
             f"- kernel launches per step: {launches:.0f}; host-device synchronisations per "
             f"step: {syncs:g}",
             "",
             "## Top operators by self CPU time",
             "",
+            "`ProfilerStep*`'s self time is the host's time outside any operator (Python).",
+            "",
             *table(cpu_top, lambda e: e.self_cpu_time_total, cpu_total),
             "",
-            "## Top operators by self device time",
+            "## Top kernels by device time",
             "",
             *table(dev_top, device_us, dev_total),
             "",
