@@ -244,12 +244,18 @@ def test_subtree_sums_then_a_tree_over_ranks_is_the_tree_over_k():
 
 
 def test_running_stats_follow_pytorchs_formula():
-    """Deferred updates give what BatchNorm itself would have stored (momentum and the
-    cumulative average), to float rounding; and the forward is unchanged."""
+    """Deferred updates give what BatchNorm itself would have stored (momentum, the
+    cumulative average, and layers with different momenta in one model), to float
+    rounding; and the forward is unchanged."""
     torch.manual_seed(0)
-    for momentum in (0.1, None):
-        ours = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=momentum))
-        theirs = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=momentum))
+    for momenta in ((0.1,), (None,), (0.1, None, 0.01)):
+
+        def net() -> nn.Sequential:
+            layers: list[nn.Module] = [nn.Conv2d(3, 4, 3)]
+            layers += [nn.BatchNorm2d(4, momentum=m) for m in momenta]
+            return nn.Sequential(*layers)
+
+        ours, theirs = net(), net()
         theirs.load_state_dict(ours.state_dict())
         stats = RunningStats(ours)
         batches = [torch.randn(8, 3, 6, 6) for _ in range(3)]
@@ -262,7 +268,7 @@ def test_running_stats_follow_pytorchs_formula():
         stats.update(recorded)
         for key, value in theirs.state_dict().items():
             torch.testing.assert_close(ours.state_dict()[key], value, rtol=1e-6, atol=1e-7)
-        assert int(ours[1].num_batches_tracked) == 3
+        assert all(int(m.num_batches_tracked) == 3 for m in ours[1:])
 
 
 def test_without_torchrun_this_is_rank_0_of_1(monkeypatch):

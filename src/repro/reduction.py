@@ -122,9 +122,9 @@ class Reducer:
         # arbitrary offsets, and CUDA's multi-tensor kernels (the gradient norm's
         # _foreach_norm) take another summation path for unaligned tensors (seen on H200).
         # (empty_like keeps each local gradient's memory format: channels_last stays so)
-        total_grads = [
-            torch.empty_like(g).copy_(t) for g, t in zip(grads, total_grads, strict=True)
-        ]
+        own = [torch.empty_like(g) for g in grads]
+        torch._foreach_copy_(own, total_grads)  # one multi-tensor copy, not one per tensor
+        total_grads = own
         return total_loss, total_grads, _regroup([p[n:] for p in parts], extras, w)
 
     def _gather(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

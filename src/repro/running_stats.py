@@ -104,13 +104,38 @@ class RunningStats:
 
     @torch.no_grad()
     def update(self, per_micro_batch: list[list[torch.Tensor]]) -> None:
-        """Fold the statistics of each micro-batch, in order, into the running buffers."""
+        """Fold the statistics of each micro-batch, in order, into the running buffers.
+
+        Layers with a momentum are updated together (one multi-tensor kernel per buffer
+        kind and micro-batch, not two per layer: the step is launch-bound on GPUs); the
+        arithmetic per element is PyTorch's ``(1 - m) * running + m * batch``."""
+        layers = [m for _, m in self.layers]
+        groups: dict[tuple[float, torch.dtype], list[int]] = {}
+        cumulative: list[int] = []
+        for i, m in enumerate(layers):
+            if m.momentum is None:
+                cumulative.append(i)
+            else:
+                groups.setdefault((float(m.momentum), m.running_mean.dtype), []).append(i)
+        tracked = [m.num_batches_tracked for m in layers]
         for recorded in per_micro_batch:
-            for (_, m), mean, var in zip(self.layers, recorded[::2], recorded[1::2], strict=True):
-                m.num_batches_tracked.add_(1)
-                if m.momentum is None:  # cumulative moving average, as PyTorch does
-                    factor = 1.0 / float(m.num_batches_tracked)
-                else:
-                    factor = float(m.momentum)
-                m.running_mean.mul_(1 - factor).add_(mean.to(m.running_mean.dtype), alpha=factor)
-                m.running_var.mul_(1 - factor).add_(var.to(m.running_var.dtype), alpha=factor)
+            means, variances = recorded[::2], recorded[1::2]
+            if len(means) != len(layers):
+                raise RuntimeError("RunningStats.update: statistics of another model")
+            torch._foreach_add_(tracked, 1)
+            for (factor, dtype), idx in groups.items():
+                for buffers, stats in (
+                    ([layers[i].running_mean for i in idx], [means[i] for i in idx]),
+                    ([layers[i].running_var for i in idx], [variances[i] for i in idx]),
+                ):
+                    torch._foreach_mul_(buffers, 1 - factor)
+                    torch._foreach_add_(buffers, [t.to(dtype) for t in stats], alpha=factor)
+            for i in cumulative:  # cumulative moving average, as PyTorch does
+                m = layers[i]
+                factor = 1.0 / float(m.num_batches_tracked)
+                m.running_mean.mul_(1 - factor).add_(
+                    means[i].to(m.running_mean.dtype), alpha=factor
+                )
+                m.running_var.mul_(1 - factor).add_(
+                    variances[i].to(m.running_var.dtype), alpha=factor
+                )
