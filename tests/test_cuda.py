@@ -35,14 +35,21 @@ def test_strict_on_cuda_twice_and_with_workers_is_identical(train_run):
         assert result.identical and result.lines[0].startswith("identical: 40 steps")
 
 
-def test_strict_bf16_on_cuda_twice_is_identical(train_run):
+NAN_FILL = "determinism.fill_uninitialized_memory=true"
+
+
+def test_strict_bf16_on_cuda_twice_is_identical_with_or_without_the_nan_fill(train_run):
+    """Strict leaves new tensors unfilled (fast); filling them with NaN, as warn mode does,
+    must not change a bit: no op of the step reads memory it did not write."""
     a = train_run("a", *SHORT, "device=cuda", "amp=on")
     b = train_run("b", *SHORT, "device=cuda", "amp=on")
+    filled = train_run("filled", *SHORT, "device=cuda", "amp=on", NAN_FILL)
     assert a.summary["weights_sha256"] == b.summary["weights_sha256"]
-    assert a.losses == b.losses
+    assert a.summary["weights_sha256"] == filled.summary["weights_sha256"]
+    assert a.losses == b.losses == filled.losses
 
 
-def test_strict_resnet18_fp32_twice_is_identical(train_run):
+def test_strict_resnet18_fp32_twice_is_identical_with_or_without_the_nan_fill(train_run):
     args = [
         "device=cuda",
         "model=resnet18",
@@ -51,7 +58,7 @@ def test_strict_resnet18_fp32_twice_is_identical(train_run):
         "trainer.batch_size=256",
         "trainer.micro_batch_size=128",
     ]
-    a, b = train_run("a", *args), train_run("b", *args)
+    a, b = train_run("a", *args), train_run("b", *args, NAN_FILL)  # BatchNorm: both ways
     assert a.summary["weights_sha256"] == b.summary["weights_sha256"]
     assert a.losses == b.losses
 

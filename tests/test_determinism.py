@@ -107,8 +107,14 @@ def test_a_job_of_a_sweep_does_not_inherit_the_previous_jobs_threads(tmp_path):
     assert torch.get_num_threads() != 1 or os.cpu_count() == 1  # else this test proves nothing
 
 
-def test_warn_mode_is_strict_with_warnings(train_run):
-    run = train_run("warn", "trainer.max_steps=2", "trainer.eval_every=2", "determinism=warn")
+def test_warn_mode_is_strict_with_warnings_and_the_nan_fill(train_run):
+    """warn = strict + warnings + new tensors filled with NaN; the fill changes no bit."""
+    steps = ["trainer.max_steps=3", "trainer.eval_every=3"]
+    run = train_run("warn", *steps, "determinism=warn")
+    strict = train_run("strict", *steps)
     assert run.report["mode"] == "warn"
     assert run.entry("deterministic warn_only")["value"] is True
     assert run.entry("use_deterministic_algorithms")["value"] is True
+    assert run.entry("fill_uninitialized_memory")["value"] is True
+    assert strict.entry("fill_uninitialized_memory")["value"] is False
+    assert run.summary["weights_sha256"] == strict.summary["weights_sha256"]

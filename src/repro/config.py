@@ -94,7 +94,7 @@ class DeterminismConfig:
     cudnn_deterministic: bool = True
     cudnn_benchmark: bool = False
     allow_tf32: bool = False
-    fill_uninitialized_memory: bool = True
+    fill_uninitialized_memory: bool = False  # (strict.yaml says why)
     # set in every process before NCCL starts (multi-GPU runs; recorded in the report)
     nccl_env: dict[str, str] = field(default_factory=lambda: {"NCCL_NVLS_ENABLE": "0"})
 
