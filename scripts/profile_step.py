@@ -119,9 +119,15 @@ def report(args, prof, env: dict, wall_ms: float, overrides: list[str], nproc: i
     events = prof.key_averages()
     n = args.active
     host = [e for e in events if e.device_type == DeviceType.CPU]
-    # kernels, copies and memsets on the device (an operator's own device time is its
-    # kernels': counting both would count them twice)
-    device = [e for e in events if e.device_type != DeviceType.CPU]
+    # kernels, copies and memsets on the device: not the operators' own device time (their
+    # kernels'), nor the device-side copies of host annotations (ProfilerStep#, nccl:...,
+    # Optimizer.step#...), which span kernels and gaps alike
+    names = {e.key for e in host}
+    device = [
+        e
+        for e in events
+        if e.device_type != DeviceType.CPU and e.key not in names and "ProfilerStep" not in e.key
+    ]
 
     def device_us(e) -> float:
         return float(getattr(e, "self_device_time_total", 0) or 0)

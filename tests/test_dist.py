@@ -347,3 +347,22 @@ def test_resume_compares_the_reduction_and_accepts_checkpoints_from_before_it():
     assert mismatches(before, now, {}, "cpu") == [
         "dist.reduction: ordered (checkpoint) vs all_reduce (now)"
     ]
+
+
+def test_resume_ignores_the_nan_fill_but_not_the_rest_of_determinism():
+    """Checkpoints from before strict turned the NaN fill off still resume without a flag."""
+    from repro.checkpoint import mismatches
+
+    def config(fill: bool, deterministic: bool = True) -> dict:
+        return {
+            "determinism": {
+                "fill_uninitialized_memory": fill,
+                "deterministic_algorithms": deterministic,
+            }
+        }
+
+    before = {"config": config(True), "device": "cpu"}
+    assert mismatches(before, config(False), {}, "cpu") == []
+    assert mismatches(before, config(False, deterministic=False), {}, "cpu") == [
+        "determinism.deterministic_algorithms: True (checkpoint) vs False (now)"
+    ]

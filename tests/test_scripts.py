@@ -73,3 +73,31 @@ def test_dist_benchmark_compares_reductions_and_ddp_across_world_sizes(tmp_path)
     assert rows[(2, "ordered")]["same_bits_as_first"]  # world-size invariance
     assert all(r["median"] > 0 for r in rows.values())
     assert "| 2 | ordered |" in next(tmp_path.glob("dist-*.md")).read_text()
+
+
+def test_profile_step_reports_where_a_steps_time_goes(tmp_path):
+    out = run_script(
+        "profile_step.py",
+        "--wait",
+        "1",
+        "--warmup",
+        "1",
+        "--active",
+        "2",
+        "--label",
+        "tiny",
+        "--out",
+        str(tmp_path),
+        "--",
+        "trainer.batch_size=32",
+        "trainer.micro_batch_size=16",
+    )
+    (report,) = tmp_path.glob("profile-tiny-*.md")
+    text = report.read_text()
+    assert text in out.stdout
+    wall = float(text.split("wall time per step: **")[1].split(" ms")[0])
+    assert wall > 0
+    # the profiled steps are 3 and 4 of 5 (the last, traced step is left out)
+    assert "Steps 3–4 of" in text and "trainer.max_steps=5" in text
+    # two micro-batches a step, each a forward and a backward through the 5 convolutions
+    assert "| `aten::convolution_backward` | 10 |" in text
