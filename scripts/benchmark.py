@@ -8,15 +8,21 @@ For each model (the default ConvNet at its default batch; the ResNet-18 preset a
 and each variant (amp off/on x loader single/multi/device), determinism strict and fast alternate
 `--repeats` times. Throughput is images/s over the steps after `--warmup` (timed with CUDA
 synchronisation at both ends, evaluation excluded); the ratio strict / fast is of the
-medians. Every strict repeat's final weights digest is recorded: they must agree. Writes
-benchmarks/benchmark-<date>-<gpu>.md/.json with the versions and the exact command.
+medians. Every strict repeat's final weights digest is recorded: they must agree.
+``--lightning`` adds the peer (``scripts/lightning_peer.py``: the same model and data under
+Lightning's ``seed_everything(workers=True)`` + ``Trainer(deterministic=True)``, each run its
+own process) to the alternation of the single- and multi-worker variants, and the ratio
+strict / Lightning. Writes benchmarks/benchmark-<date>-<gpu>.md/.json with the versions and
+the exact command.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -75,6 +81,23 @@ def timed_run(overrides: list[str], steps: int, warmup: int, where: Path) -> dic
     }
 
 
+def lightning_run(overrides: list[str], steps: int, warmup: int) -> dict:
+    """One run of the Lightning peer in its own process (Lightning sets global flags)."""
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "lightning_peer.py"),
+        f"--steps={steps}",
+        f"--warmup={warmup}",
+        "--",
+        *overrides,
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"benchmark: the Lightning peer failed:\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"images_per_second": result["images_per_second"], "weights": result["weights_sha256"]}
+
+
 # The H200's bf16 dense matmul rate measured on random data (the device library's KINDS.md):
 # the ceiling the achieved TFLOP/s are compared with.
 H200_BF16_TFLOPS = 790.0
@@ -107,6 +130,11 @@ def main() -> int:
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--variants", nargs="+", default=VARIANT_NAMES, choices=VARIANT_NAMES)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks")
+    p.add_argument(
+        "--lightning",
+        action="store_true",
+        help="also run the Lightning peer (scripts/lightning_peer.py; needs lightning)",
+    )
     args = p.parse_args()
     if not 0 < args.warmup < args.steps:
         p.error("need 0 < --warmup < --steps")
@@ -121,16 +149,22 @@ def main() -> int:
             for amp, loader, variant in VARIANTS:
                 if f"{amp}-{loader}" not in args.variants:
                     continue
-                res: dict[str, list[dict]] = {"strict": [], "fast": []}
+                modes = ["strict", "fast"]
+                if args.lightning and loader != "device":  # Lightning takes a DataLoader
+                    modes.append("lightning")
+                res: dict[str, list[dict]] = {m: [] for m in modes}
                 for i in range(args.repeats):
-                    for mode in ("strict", "fast") if i % 2 == 0 else ("fast", "strict"):
+                    for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:  # rotated
                         n += 1
-                        r = timed_run(
-                            [*MODELS[model], *variant, f"determinism={mode}"],
-                            args.steps,
-                            args.warmup,
-                            Path(tmp) / f"run{n}",
-                        )
+                        if mode == "lightning":
+                            r = lightning_run([*MODELS[model], *variant], args.steps, args.warmup)
+                        else:
+                            r = timed_run(
+                                [*MODELS[model], *variant, f"determinism={mode}"],
+                                args.steps,
+                                args.warmup,
+                                Path(tmp) / f"run{n}",
+                            )
                         res[mode].append(r)
                         print(
                             f"{model:8} {amp} {loader:6} {mode:6} {i + 1}/{args.repeats}: "
@@ -151,6 +185,11 @@ def main() -> int:
                         "fast_distinct_weights": len({r["weights"] for r in res["fast"]}),
                     }
                 )
+                if "lightning" in res:
+                    rows[-1]["strict_over_lightning"] = med["strict"] / med["lightning"]
+                    rows[-1]["lightning_distinct_weights"] = len(
+                        {r["weights"] for r in res["lightning"]}
+                    )
 
     from repro.trace import environment
 
@@ -179,17 +218,25 @@ def main() -> int:
         f"(evaluation excluded); {args.repeats} repeats per mode, alternated, one process.",
         "",
         "| model | amp | loader | strict img/s (min–max) | fast img/s (min–max) | strict / fast "
-        "| strict digests | fast digests | strict TFLOP/s (% of bf16 ceiling) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| strict digests | fast digests | strict TFLOP/s (% of bf16 ceiling) "
+        "| Lightning img/s (min–max) | strict / Lightning | Lightning digests |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         s, f = r["images_per_second"]["strict"], r["images_per_second"]["fast"]
+        light = "– | – | –"
+        if "strict_over_lightning" in r:
+            li = r["images_per_second"]["lightning"]
+            light = (
+                f"{r['median']['lightning']:.0f} ({min(li):.0f}–{max(li):.0f}) | "
+                f"{r['strict_over_lightning']:.3f} | {r['lightning_distinct_weights']}"
+            )
         lines.append(
             f"| {r['model']} | {r['amp']} | {r['loader']} | {r['median']['strict']:.0f} "
             f"({min(s):.0f}–{max(s):.0f}) | {r['median']['fast']:.0f} ({min(f):.0f}–{max(f):.0f})"
             f" | {r['strict_over_fast']:.3f} | {r['strict_distinct_weights']} | "
             f"{r['fast_distinct_weights']} | {r['strict_tflops']:.1f} "
-            f"({100 * r['strict_tflops'] / H200_BF16_TFLOPS:.1f}%) |"
+            f"({100 * r['strict_tflops'] / H200_BF16_TFLOPS:.1f}%) | {light} |"
         )
     lines += [
         "",
@@ -198,6 +245,13 @@ def main() -> int:
         + f". Ceiling: the H200's measured bf16 matmul rate, {H200_BF16_TFLOPS:.0f} TFLOP/s "
         "(fp32 rows are further from theirs: fp32 runs on CUDA cores).",
     ]
+    if args.lightning:
+        lines += [
+            "",
+            "Lightning: `scripts/lightning_peer.py` (the same model, data, batch, optimizer and "
+            "schedule; `seed_everything(workers=True)` + `Trainer(deterministic=True)`, "
+            "`accumulate_grad_batches` = K, a shuffling DataLoader), one process per run.",
+        ]
     text = "\n".join(lines) + "\n"
     write_results(args.out, "benchmark", date, env, text, record)
     return 0

@@ -46,7 +46,7 @@ run_part() {  # name, command...
   echo "gpu_check.sh on $(hostname): $ngpu x $gpu; $("$PY" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "cuDNN", torch.backends.cudnn.version())')"
   for part in "${parts[@]}"; do
     case $part in
-      tests) run_part tests "$PY" -m pytest -m cuda -q -rs -p no:cacheprovider ;;
+      tests) run_part tests "$PY" -m pytest -m "cuda or lightning" -q -rs -p no:cacheprovider ;;
       drift) run_part drift "$PY" scripts/drift_demo.py --out "$out" ;;
       bench) run_part bench "$PY" scripts/benchmark.py --out "$out" ;;
       dist)

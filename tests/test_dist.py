@@ -250,7 +250,7 @@ def test_running_stats_follow_pytorchs_formula():
     torch.manual_seed(0)
     for momenta in ((0.1,), (None,), (0.1, None, 0.01)):
 
-        def net() -> nn.Sequential:
+        def net(momenta: tuple[float | None, ...] = momenta) -> nn.Sequential:
             layers: list[nn.Module] = [nn.Conv2d(3, 4, 3)]
             layers += [nn.BatchNorm2d(4, momentum=m) for m in momenta]
             return nn.Sequential(*layers)

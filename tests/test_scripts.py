@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, user_env
 
 
@@ -101,3 +103,32 @@ def test_profile_step_reports_where_a_steps_time_goes(tmp_path):
     assert "Steps 3–4 of" in text and "trainer.max_steps=5" in text
     # two micro-batches a step, each a forward and a backward through the 5 convolutions
     assert "| `aten::convolution_backward` | 10 |" in text
+
+
+@pytest.mark.lightning
+def test_benchmark_runs_the_lightning_peer_beside_strict(tmp_path):
+    pytest.importorskip("lightning", reason="needs Lightning (pip install -e '.[bench]')")
+    run_script(
+        "benchmark.py",
+        "--steps",
+        "6",
+        "--warmup",
+        "2",
+        "--repeats",
+        "2",
+        "--models",
+        "convnet",
+        "--variants",
+        "fp32-multi",
+        "bf16-device",
+        "--lightning",
+        "--out",
+        str(tmp_path),
+    )
+    (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("benchmark-*.json")]
+    multi, device = record["rows"]
+    assert len(multi["images_per_second"]["lightning"]) == 2
+    assert multi["strict_over_lightning"] > 0 and multi["strict_distinct_weights"] == 1
+    assert "lightning" not in device["images_per_second"]  # Lightning takes a DataLoader
+    table = next(tmp_path.glob("benchmark-*.md")).read_text()
+    assert "| strict / Lightning |" in table and "seed_everything(workers=True)" in table

@@ -1,0 +1,153 @@
+#!/usr/bin/env python
+"""The Lightning peer for the throughput benchmark: the same model, data, global batch,
+micro-batches, optimizer and schedule as ``train.py``, trained the way a Lightning user makes
+a run "deterministic": ``seed_everything(seed, workers=True)`` + ``Trainer(deterministic=True)``.
+
+    python scripts/lightning_peer.py --steps 300 --warmup 50 -- model=resnet18 amp=on
+
+Needs Lightning 2.x (``pip install lightning``; an optional benchmark dependency, not the
+template's). The data loader is a plain shuffling ``DataLoader`` over the micro-batch size with
+the same crop/flip drawn from the global RNG (seeded per worker by Lightning), and
+``accumulate_grad_batches = K``; the loss is the mean cross-entropy (Lightning divides by K).
+bf16 autocast is ``precision="bf16-mixed"``. Prints one JSON line: ``images_per_second``
+over the steps after ``--warmup`` (device synchronised at both ends) and the final weights'
+SHA-256. ``scripts/benchmark.py --lightning`` runs it beside train.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from repro.config import compose  # noqa: E402
+from repro.data import DeviceNormalizer, random_crop_flip  # noqa: E402
+from repro.loop import (  # noqa: E402
+    build_model,
+    build_optimizer,
+    build_schedule,
+    instantiate_group,
+)
+from repro.trace import state_dict_sha256  # noqa: E402
+
+try:
+    import lightning as L
+except ImportError:  # the older package name
+    try:
+        import pytorch_lightning as L  # type: ignore[no-redef]
+    except ImportError:
+        sys.exit("lightning_peer.py: needs Lightning 2.x: pip install lightning")
+
+
+class Augmented(Dataset):
+    """The training split with the template's crop/flip, drawn from the global RNG."""
+
+    def __init__(self, split, augment: bool) -> None:
+        self.split, self.augment = split, augment
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image = self.split.images[index]
+        if self.augment:
+            image = random_crop_flip(image, None)
+        return image, self.split.labels[index]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--warmup", type=int, default=50, help="steps left out of the rate")
+    p.add_argument("overrides", nargs="*", help="train.py overrides (after --)")
+    args = p.parse_args()
+    if not 0 < args.warmup < args.steps:
+        p.error("need 0 < --warmup < --steps")
+    cfg = compose(args.overrides, ROOT / "conf")
+    cuda = str(cfg.device) != "cpu" and torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    t = cfg.trainer
+    k = int(t.batch_size) // int(t.micro_batch_size)
+
+    L.seed_everything(int(cfg.seed), workers=True)
+    splits = instantiate_group(cfg.data, "data")
+    model = build_model(cfg, splits, torch.device("cpu"))
+    workers = int(cfg.loader.num_workers)
+    loader = DataLoader(
+        Augmented(splits.train, splits.augment),
+        batch_size=int(t.micro_batch_size),
+        shuffle=True,
+        drop_last=True,
+        num_workers=workers,
+        pin_memory=cuda,
+        persistent_workers=workers > 0,
+    )
+    marks: dict[int, float] = {}
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+            self.normalize: DeviceNormalizer | None = None
+
+        def training_step(self, batch, batch_idx):
+            if self.normalize is None:
+                self.normalize = DeviceNormalizer(splits, self.device)
+            images, labels = self.normalize(*batch)
+            return F.cross_entropy(self.model(images).float(), labels)
+
+        def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+            step = self.trainer.global_step
+            if step in (args.warmup, args.steps) and step not in marks:
+                if cuda:
+                    torch.cuda.synchronize()
+                marks[step] = time.perf_counter()
+
+        def configure_optimizers(self):
+            optimizer = build_optimizer(self.model, cfg.optim)
+            schedule = build_schedule(optimizer, cfg.optim, args.steps)
+            return {
+                "optimizer": optimizer,
+                "lr_scheduler": {"scheduler": schedule, "interval": "step"},
+            }
+
+    trainer = L.Trainer(
+        accelerator="gpu" if cuda else "cpu",
+        devices=1,
+        max_steps=args.steps,
+        deterministic=True,
+        precision="bf16-mixed" if bool(cfg.amp.enabled) else "32-true",
+        accumulate_grad_batches=k,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(Module(), train_dataloaders=loader)
+    rate = (args.steps - args.warmup) * int(t.batch_size) / (marks[args.steps] - marks[args.warmup])
+    print(
+        json.dumps(
+            {
+                "images_per_second": rate,
+                "weights_sha256": state_dict_sha256(model.state_dict()),
+                "device": str(device),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
