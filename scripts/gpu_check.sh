@@ -6,7 +6,8 @@
 #   scripts/gpu_check.sh                      # everything
 #   scripts/gpu_check.sh --out /tmp/o tests dist
 #
-# Parts: tests (pytest -m cuda), drift (scripts/drift_demo.py), bench (scripts/benchmark.py),
+# Parts: tests (pytest -m 'cuda or lightning'), drift (scripts/drift_demo.py), bench
+# (scripts/benchmark.py, --lightning where Lightning is installed),
 # dist (scripts/dist_benchmark.py --ddp on 1, 2 [, 4] GPUs: ResNet-18 preset at batch 256, bf16,
 # then the default ConvNet at batch 128; 6 loader workers a rank). PY picks the interpreter (default: python3).
 # Exit status: 1 if any part failed (the others still run).
@@ -19,7 +20,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --out) out=$2; shift 2 ;;
     tests|drift|bench|dist) parts+=("$1"); shift ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown part '$1' (tests, drift, bench, dist, --out DIR)" >&2; exit 2 ;;
   esac
 done
@@ -48,7 +49,9 @@ run_part() {  # name, command...
     case $part in
       tests) run_part tests "$PY" -m pytest -m "cuda or lightning" -q -rs -p no:cacheprovider ;;
       drift) run_part drift "$PY" scripts/drift_demo.py --out "$out" ;;
-      bench) run_part bench "$PY" scripts/benchmark.py --out "$out" ;;
+      bench)  # with the Lightning peer row where Lightning is installed (the GPU image has it)
+        peer=(); "$PY" -c "import lightning" 2>/dev/null && peer=(--lightning)
+        run_part bench "$PY" scripts/benchmark.py --out "$out" "${peer[@]}" ;;
       dist)
         if [ "$ngpu" -lt 2 ]; then echo "== dist: skipped (1 GPU)"; continue; fi
         sizes="1 2"; [ "$ngpu" -ge 4 ] && sizes="1 2 4"
