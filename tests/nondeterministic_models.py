@@ -47,6 +47,25 @@ class UnpoolBlock(nn.Module):
         return self.unpool(y, idx, output_size=x.shape[-2:])
 
 
+class UninitializedRead(nn.Module):
+    """Adds a buffer it never wrote, as a buggy kernel would. Real leftover memory often
+    repeats on a CPU (the allocator hands back the same block), so the leftover is emulated
+    by OS-seeded noise wherever PyTorch leaves new memory unfilled; with the NaN fill
+    (deterministic algorithms + fill_uninitialized_memory) it reads NaN, every time."""
+
+    def forward(self, x):
+        buf = torch.empty_like(x)
+        filled = (
+            torch.are_deterministic_algorithms_enabled()
+            and torch.utils.deterministic.fill_uninitialized_memory
+        )
+        if not filled:
+            g = torch.Generator(device=x.device)
+            g.seed()
+            buf = torch.rand(x.shape, generator=g, device=x.device, dtype=x.dtype)
+        return x + 1e-3 * buf
+
+
 class _WithExtra(ConvNet):
     extra: type[nn.Module]
 
@@ -84,3 +103,7 @@ class IndexAdd(nn.Module):
 
 class IndexAddNet(_WithExtra):
     extra = IndexAdd
+
+
+class UninitializedReadNet(_WithExtra):
+    extra = UninitializedRead

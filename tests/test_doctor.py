@@ -29,6 +29,14 @@ def test_names_the_module_that_differs_between_repeats(model):
     assert "features" not in text and "head" not in text  # downstream modules are not blamed
 
 
+def test_strict_repeats_run_without_the_nan_fill_so_an_uninitialized_read_shows():
+    """Strict training leaves new memory unfilled; with the fill on, the doctor's strict
+    repeats would read the same NaN each time and call the model clean."""
+    report = doctor("model._target_=nondeterministic_models.UninitializedReadNet")
+    assert [f.module for f in report.strict] == ["suspect"], report.format()
+    assert not report.clean
+
+
 def test_names_the_op_without_a_deterministic_kernel_at_the_innermost_module():
     report = doctor("model._target_=nondeterministic_models.UnpoolNet")
     assert [(f.module, f.kind) for f in report.strict_ops] == [("suspect.unpool", "MaxUnpool2d")]

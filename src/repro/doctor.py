@@ -14,7 +14,9 @@ micro-batch, and three checks:
    recorded input and gradient alone, so every op without a deterministic kernel is caught and
    attributed to the innermost module that calls it (not just the first one to raise).
 3. **strict repeats**: as 1, under the strict flags (nondeterministic ops warn instead of
-   raising so that the repeats run): what strict mode leaves nondeterministic.
+   raising so that the repeats run) and the config's NaN-fill setting (strict: off, so an op
+   that reads memory it never wrote differs across repeats): what strict mode leaves
+   nondeterministic.
 
 Exit status 0 when strict mode is clean (checks 2 and 3), 1 when it is not.
 """
@@ -60,12 +62,14 @@ def _digest(tensors: list[torch.Tensor | None]) -> str:
     return h.hexdigest()
 
 
-def set_flags(strict: bool) -> None:
-    """The kernel-selection flags of determinism=strict (or of fast mode)."""
+def set_flags(strict: bool, fill: bool = False) -> None:
+    """The kernel-selection flags of determinism=strict (or of fast mode). ``fill``: NaN-fill
+    new tensors (strict leaves it off, so that an op reading memory it never wrote gets
+    whatever was there, and differs across the repeats instead of reading the same NaN)."""
     torch.use_deterministic_algorithms(strict, warn_only=strict)
     torch.backends.cudnn.deterministic = strict
     torch.backends.cudnn.benchmark = not strict
-    torch.utils.deterministic.fill_uninitialized_memory = strict
+    torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 @dataclass
@@ -423,7 +427,7 @@ def run_doctor(cfg: DictConfig, repeats: int = 4, log: Callable[[str], None] = p
             op_findings.append(loss_err)
 
         log(f"strict mode: {repeats} repeats (nondeterministic ops warn so that the repeats run)")
-        set_flags(strict=True)
+        set_flags(strict=True, fill=bool(cfg.determinism.fill_uninitialized_memory))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             strict = [
