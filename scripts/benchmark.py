@@ -19,6 +19,7 @@ the exact command.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import statistics
@@ -138,6 +139,10 @@ def main() -> int:
     args = p.parse_args()
     if not 0 < args.warmup < args.steps:
         p.error("need 0 < --warmup < --steps")
+    if args.lightning and not (
+        importlib.util.find_spec("lightning") or importlib.util.find_spec("pytorch_lightning")
+    ):
+        p.error("--lightning needs Lightning 2.x: pip install -e '.[bench]'")
     logging.getLogger("repro").setLevel(logging.WARNING)
     pin_process_environment(compose([], ROOT / "conf").determinism)  # strict needs it pinned
 
@@ -250,7 +255,10 @@ def main() -> int:
             "",
             "Lightning: `scripts/lightning_peer.py` (the same model, data, batch, optimizer and "
             "schedule; `seed_everything(workers=True)` + `Trainer(deterministic=True)`, "
-            "`accumulate_grad_batches` = K, a shuffling DataLoader), one process per run.",
+            "`accumulate_grad_batches` = K, a shuffling DataLoader), one process per run. "
+            "Lightning's `deterministic=True` leaves PyTorch's NaN fill of new tensors on "
+            "(strict turns it off) and cuDNN's TF32 at PyTorch's default (on; strict turns "
+            "it off, which matters to fp32 rows).",
         ]
     text = "\n".join(lines) + "\n"
     write_results(args.out, "benchmark", date, env, text, record)

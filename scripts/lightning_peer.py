@@ -5,13 +5,15 @@ a run "deterministic": ``seed_everything(seed, workers=True)`` + ``Trainer(deter
 
     python scripts/lightning_peer.py --steps 300 --warmup 50 -- model=resnet18 amp=on
 
-Needs Lightning 2.x (``pip install lightning``; an optional benchmark dependency, not the
-template's). The data loader is a plain shuffling ``DataLoader`` over the micro-batch size with
-the same crop/flip drawn from the global RNG (seeded per worker by Lightning), and
+Needs Lightning 2.x (``pip install -e '.[bench]'``; an optional benchmark dependency, not
+the template's). The data loader is a plain shuffling ``DataLoader`` over the micro-batch
+size with the same crop/flip drawn from the global RNG (seeded per worker by Lightning), and
 ``accumulate_grad_batches = K``; the loss is the mean cross-entropy (Lightning divides by K).
-bf16 autocast is ``precision="bf16-mixed"``. Prints one JSON line: ``images_per_second``
-over the steps after ``--warmup`` (device synchronised at both ends) and the final weights'
-SHA-256. ``scripts/benchmark.py --lightning`` runs it beside train.py.
+Autocast is ``precision="bf16-mixed"`` (``"16-mixed"`` for ``amp.dtype=float16``). Prints one
+JSON line: ``images_per_second`` over the steps after ``--warmup`` (device synchronised at
+both ends) and the final weights' SHA-256. ``scripts/benchmark.py --lightning`` runs it
+beside train.py. Lightning's ``deterministic=True`` leaves PyTorch's NaN fill of new tensors
+and cuDNN's TF32 as PyTorch has them (both on).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ except ImportError:  # the older package name
     try:
         import pytorch_lightning as L  # type: ignore[no-redef]
     except ImportError:
-        sys.exit("lightning_peer.py: needs Lightning 2.x: pip install lightning")
+        sys.exit("lightning_peer.py: needs Lightning 2.x: pip install -e '.[bench]'")
 
 
 class Augmented(Dataset):
@@ -127,7 +129,11 @@ def main() -> None:
         devices=1,
         max_steps=args.steps,
         deterministic=True,
-        precision="bf16-mixed" if bool(cfg.amp.enabled) else "32-true",
+        precision=(
+            ("bf16-mixed" if str(cfg.amp.dtype) == "bfloat16" else "16-mixed")
+            if bool(cfg.amp.enabled)
+            else "32-true"
+        ),
         accumulate_grad_batches=k,
         logger=False,
         enable_checkpointing=False,

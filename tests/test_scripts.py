@@ -97,8 +97,9 @@ def test_profile_step_reports_where_a_steps_time_goes(tmp_path):
     (report,) = tmp_path.glob("profile-tiny-*.md")
     text = report.read_text()
     assert text in out.stdout
-    wall = float(text.split("wall time per step: **")[1].split(" ms")[0])
+    wall = float(text.split("wall time per step under the profiler: **")[1].split(" ms")[0])
     assert wall > 0
+    assert "device busy" not in text  # no device on a CPU: no device lines
     # the profiled steps are 3 and 4 of 5 (the last, traced step is left out)
     assert "Steps 3–4 of" in text and "trainer.max_steps=5" in text
     # two micro-batches a step, each a forward and a backward through the 5 convolutions
@@ -132,3 +133,13 @@ def test_benchmark_runs_the_lightning_peer_beside_strict(tmp_path):
     assert "lightning" not in device["images_per_second"]  # Lightning takes a DataLoader
     table = next(tmp_path.glob("benchmark-*.md")).read_text()
     assert "| strict / Lightning |" in table and "seed_everything(workers=True)" in table
+
+
+def test_profile_step_refuses_a_window_without_warm_up():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "profile_step.py"), "--warmup", "0"],
+        capture_output=True,
+        text=True,
+        env=user_env(),
+    )
+    assert out.returncode == 2 and "--warmup 1 or more" in out.stderr

@@ -106,9 +106,11 @@ class RunningStats:
     def update(self, per_micro_batch: list[list[torch.Tensor]]) -> None:
         """Fold the statistics of each micro-batch, in order, into the running buffers.
 
-        Layers with a momentum are updated together (one multi-tensor kernel per buffer
-        kind and micro-batch, not two per layer: the step is launch-bound on GPUs); the
-        arithmetic per element is PyTorch's ``(1 - m) * running + m * batch``."""
+        Layers with a momentum are updated together: per micro-batch, one multi-tensor
+        multiply and one add per buffer kind and (momentum, dtype) group, plus one for the
+        counters, instead of four kernels per layer (the step is launch-bound on GPUs). The
+        formula is BatchNorm's, ``(1 - m) * running + m * batch``, rounded after the multiply
+        and after the add."""
         layers = [m for _, m in self.layers]
         groups: dict[tuple[float, torch.dtype], list[int]] = {}
         cumulative: list[int] = []
