@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import logging
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from _results import command_line, environment_line, today, write_results  # noqa: E402
+from _results import command_line, environment_line, run_json, today, write_results  # noqa: E402
 
 from repro.config import compose  # noqa: E402
 from repro.determinism import pin_process_environment  # noqa: E402
@@ -92,10 +90,7 @@ def lightning_run(overrides: list[str], steps: int, warmup: int) -> dict:
         "--",
         *overrides,
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"benchmark: the Lightning peer failed:\n{proc.stderr[-3000:]}")
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_json(cmd, ROOT)
     return {"images_per_second": result["images_per_second"], "weights": result["weights_sha256"]}
 
 

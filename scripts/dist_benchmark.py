@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,7 +28,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from _results import command_line, environment_line, today, write_results  # noqa: E402
+from _results import (  # noqa: E402
+    command_line,
+    environment_line,
+    run_checked,
+    run_json,
+    today,
+    write_results,
+)
 
 
 def launch(run_dir: Path, world_size: int, reduction: str, steps: int, extra: list[str]) -> dict:
@@ -39,23 +44,15 @@ def launch(run_dir: Path, world_size: int, reduction: str, steps: int, extra: li
     env = {**os.environ, "PYTHONHASHSEED": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     env.setdefault("NCCL_NVLS_ENABLE", "0")
 
-    def run(cmd: list[str]) -> str:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            sys.exit(f"dist_benchmark: {shlex.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-        return proc.stdout
-
     if reduction == "ddp":
-        out = run(
-            [*torchrun, str(ROOT / "scripts" / "ddp_peer.py"), f"--steps={steps}", "--", *extra]
-        )
-        result = json.loads(out.strip().splitlines()[-1])
+        peer = [*torchrun, str(ROOT / "scripts" / "ddp_peer.py"), f"--steps={steps}", "--", *extra]
+        result = run_json(peer, ROOT, env)
         return {
             "images_per_second": result["steady_images_per_second"],
             "weights": result["weights_sha256"],
             "environment": None,
         }
-    run(
+    run_checked(
         [
             *(torchrun if world_size > 1 else [sys.executable]),
             str(ROOT / "train.py"),
@@ -66,7 +63,9 @@ def launch(run_dir: Path, world_size: int, reduction: str, steps: int, extra: li
             "trainer.progress=false",
             f"dist.reduction={reduction}",
             *extra,
-        ]
+        ],
+        ROOT,
+        env,
     )
     summary = json.loads((run_dir / "summary.json").read_text())
     return {

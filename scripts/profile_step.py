@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from _results import command_line, environment_line, today  # noqa: E402
+from _results import command_line, environment_line, result_stem, today  # noqa: E402
 
 CHILD = "REPRO_PROFILE_CHILD"
 
@@ -200,10 +200,7 @@ def report(args, prof, env: dict, wall_ms: float, overrides: list[str], nproc: i
     text += "\n"
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    where = (env.get("gpu") or "cpu").replace(" ", "_")
-    if nproc > 1 and env.get("gpu"):
-        where = f"{nproc}x{where}"  # as _results.write_results names multi-GPU results
-    stem = f"profile-{args.label}-{today()}-{where}"
+    stem = result_stem(f"profile-{args.label}", today(), env, devices=nproc)
     (args.out / f"{stem}.md").write_text(text)
     if args.trace:
         prof.export_chrome_trace(str(args.out / f"{stem}.trace.json"))
