@@ -107,8 +107,8 @@ class RunningStats:
         """Fold the statistics of each micro-batch, in order, into the running buffers.
 
         Layers with a momentum are updated together: per micro-batch, one multi-tensor
-        multiply and one add per buffer kind and (momentum, dtype) group, plus one for the
-        counters, instead of four kernels per layer (the step is launch-bound on GPUs). The
+        multiply and one add (means and variances alike) per (momentum, dtype) group, plus
+        one for the counters, instead of four kernels per layer (the step is launch-bound on GPUs). The
         formula is BatchNorm's, ``(1 - m) * running + m * batch``, rounded after the multiply
         and after the add."""
         layers = [m for _, m in self.layers]
@@ -126,12 +126,11 @@ class RunningStats:
                 raise RuntimeError("RunningStats.update: statistics of another model")
             torch._foreach_add_(tracked, 1)
             for (factor, dtype), idx in groups.items():
-                for buffers, stats in (
-                    ([layers[i].running_mean for i in idx], [means[i] for i in idx]),
-                    ([layers[i].running_var for i in idx], [variances[i] for i in idx]),
-                ):
-                    torch._foreach_mul_(buffers, 1 - factor)
-                    torch._foreach_add_(buffers, [t.to(dtype) for t in stats], alpha=factor)
+                buffers = [layers[i].running_mean for i in idx]
+                buffers += [layers[i].running_var for i in idx]
+                stats = [means[i].to(dtype) for i in idx] + [variances[i].to(dtype) for i in idx]
+                torch._foreach_mul_(buffers, 1 - factor)
+                torch._foreach_add_(buffers, stats, alpha=factor)
             for i in cumulative:  # cumulative moving average, as PyTorch does
                 m = layers[i]
                 factor = 1.0 / float(m.num_batches_tracked)
