@@ -49,6 +49,9 @@ class RunningStats:
             if m.running_mean is not None:
                 self.layers.append((name, m))
         self._recorded: list[torch.Tensor | None] | None = None
+        # registered once: they record only inside capture() (a no-op in evaluation)
+        for i, (_, m) in enumerate(self.layers):
+            m.register_forward_pre_hook(partial(self._record, i))
 
     def __bool__(self) -> bool:
         return bool(self.layers)
@@ -64,10 +67,6 @@ class RunningStats:
             yield recorded
             return
         slots: list[torch.Tensor | None] = [None] * (2 * len(self.layers))
-        handles = [
-            m.register_forward_pre_hook(partial(self._record, i))
-            for i, (_, m) in enumerate(self.layers)
-        ]
         for _, m in self.layers:
             m.track_running_stats = False  # normalise with batch statistics, update nothing
         self._recorded = slots
@@ -77,8 +76,6 @@ class RunningStats:
             self._recorded = None
             for _, m in self.layers:
                 m.track_running_stats = True
-            for h in handles:
-                h.remove()
         missing = [self.layers[i // 2][0] for i in range(0, len(slots), 2) if slots[i] is None]
         if missing:
             raise RuntimeError(
