@@ -7,7 +7,7 @@ import torch
 
 from repro.data import (
     DataSplits,
-    KeyedAugmentDataset,
+    KeyedBatches,
     KeyedBatchSampler,
     TensorImages,
     cifar10,
@@ -46,16 +46,21 @@ def test_synthetic_classes_are_separable_by_their_mean_image():
 
 def test_augmentation_is_keyed_by_epoch_and_index():
     d = small()
-    ds = KeyedAugmentDataset(d.train, seed=0, augment=True)
-    img, label = ds[(0, 5)]
-    assert torch.equal(img, ds[(0, 5)][0])
-    assert img.shape == d.train.images[5].shape and label == d.train.labels[5]
-    others = [ds[(e, 5)][0] for e in range(1, 8)]
+    ds = KeyedBatches(d.train, seed=0, augment=True)
+    images, labels = ds[[(0, 5)]]
+    img = images[0]
+    assert torch.equal(img, ds[[(0, 5)]][0][0])
+    assert img.shape == d.train.images[5].shape and labels[0] == d.train.labels[5]
+    # the batch it is fetched in does not matter: each sample's draws are its own
+    batch, batch_labels = ds[[(0, 9), (2, 1), (0, 5), (1, 5)]]
+    assert torch.equal(batch[2], img) and batch_labels.tolist()[2] == int(d.train.labels[5])
+    others = [ds[[(e, 5)]][0][0] for e in range(1, 8)]
     assert any(not torch.equal(img, o) for o in others)  # a new crop/flip in other epochs
-    other_seed = KeyedAugmentDataset(d.train, seed=1, augment=True)
-    assert any(not torch.equal(ds[(e, 5)][0], other_seed[(e, 5)][0]) for e in range(8))
-    plain = KeyedAugmentDataset(d.train, seed=0, augment=False)
-    assert torch.equal(plain[(3, 5)][0], d.train.images[5])
+    assert torch.equal(batch[3], others[0])
+    other_seed = KeyedBatches(d.train, seed=1, augment=True)
+    assert any(not torch.equal(ds[[(e, 5)]][0], other_seed[[(e, 5)]][0]) for e in range(8))
+    plain = KeyedBatches(d.train, seed=0, augment=False)
+    assert torch.equal(plain[[(3, 5)]][0][0], d.train.images[5])
 
 
 def test_sampler_is_a_pure_function_of_the_step():

@@ -240,10 +240,39 @@ def random_crop_flip(
     return out.contiguous()
 
 
-class KeyedAugmentDataset(Dataset):
-    """Looks samples up by key ``(epoch, index)`` and augments each with a generator keyed by
-    ``(seed, "augment", epoch, index)``: the same sample in the same epoch gets the same crop
-    and flip in any worker, any process, after any restart."""
+def crop_flip_batch(
+    images: torch.Tensor, params: torch.Tensor, pad: int = CROP_PAD
+) -> torch.Tensor:
+    """:func:`random_crop_flip` for a whole N×C×H×W batch at once, on its device: ``params``
+    holds each sample's (dy, dx, flip). Pure data movement (pad, then one gather of every
+    output pixel's source), so the bytes equal the per-sample path's."""
+    n, c, h, w = images.shape
+    params = params.to(images.device)
+    dy, dx, flip = params[:, 0:1], params[:, 1:2], params[:, 2:3].bool()
+    rows = dy + torch.arange(h, device=images.device)  # N×H
+    cols = dx + torch.arange(w, device=images.device)  # N×W
+    cols = torch.where(flip, cols.flip(1), cols)
+    padded = F.pad(images, (pad, pad, pad, pad)).flatten(2)  # N×C×(H+2p)(W+2p)
+    source = (rows[:, :, None] * (w + 2 * pad) + cols[:, None, :]).view(n, 1, h * w)
+    return padded.gather(2, source.expand(n, c, h * w)).view(n, c, h, w)
+
+
+def keyed_crop_flip_params(seed: int, keys: list[tuple[int, int]]) -> torch.Tensor:
+    """Each key's ``(dy, dx, flip)`` as an N×3 int64 tensor: :func:`crop_flip_params` from the
+    generator keyed by ``(seed, "augment", epoch, index)``."""
+    return torch.tensor(
+        [crop_flip_params(keyed_generator(seed, "augment", epoch, i)) for epoch, i in keys],
+        dtype=torch.int64,
+    ).view(len(keys), 3)
+
+
+class KeyedBatches(Dataset):
+    """Fetches a whole micro-batch by its keys ``(epoch, index)``: one gather of the images
+    and labels, each image cropped and flipped with the draws keyed by ``(seed, "augment",
+    epoch, index)`` (:func:`crop_flip_batch`, one vectorised gather for the batch). The same
+    sample in the same epoch gets the same crop and flip in any worker, any process, after
+    any restart, and in any batch. Works where the split's tensors are: on the CPU for the
+    DataLoader, on the GPU for ``loader.on_device``."""
 
     def __init__(self, split: TensorImages, seed: int, augment: bool) -> None:
         self.split, self.seed, self.augment = split, seed, augment
@@ -251,12 +280,14 @@ class KeyedAugmentDataset(Dataset):
     def __len__(self) -> int:
         return len(self.split)
 
-    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        epoch, index = key
-        image, label = self.split.images[index], self.split.labels[index]
+    def __getitem__(self, keys: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        device = self.split.images.device
+        index = torch.tensor([i for _, i in keys], dtype=torch.int64).to(device, non_blocking=True)
+        images = self.split.images[index]
         if self.augment:
-            image = random_crop_flip(image, keyed_generator(self.seed, "augment", epoch, index))
-        return image, label
+            params = keyed_crop_flip_params(self.seed, keys).to(device, non_blocking=True)
+            images = crop_flip_batch(images, params)
+        return images, self.split.labels[index]
 
 
 # ------------------------------------------------------------------ sampler, loader
@@ -314,62 +345,18 @@ class KeyedBatchSampler:
             step += 1
 
 
-def crop_flip_batch(
-    images: torch.Tensor, params: torch.Tensor, pad: int = CROP_PAD
-) -> torch.Tensor:
-    """:func:`random_crop_flip` for a whole N×C×H×W batch at once, on its device: ``params``
-    holds each sample's (dy, dx, flip). Pure data movement (pad, then gather), so the bytes
-    equal the per-sample path's."""
-    n, c, h, w = images.shape
-    params = params.to(images.device)
-    dy, dx, flip = params[:, 0:1], params[:, 1:2], params[:, 2:3].bool()
-    rows = dy + torch.arange(h, device=images.device)  # N×H
-    cols = dx + torch.arange(w, device=images.device)  # N×W
-    cols = torch.where(flip, cols.flip(1), cols)
-    padded = F.pad(images, (pad, pad, pad, pad)).permute(0, 2, 3, 1)  # N×(H+2p)×(W+2p)×C
-    batch = torch.arange(n, device=images.device)[:, None, None]
-    return padded[batch, rows[:, :, None], cols[:, None, :]].permute(0, 3, 1, 2).contiguous()
-
-
 class DeviceBatches:
     """``loader.on_device=true``: the training split lives on the device and each
-    micro-batch is gathered and augmented there, with no worker processes.
+    micro-batch is gathered and augmented there (:class:`KeyedBatches` over the device
+    copy), with no worker processes: the same keys, draws and bytes as the DataLoader path,
+    so the choice of loader cannot change the bits. The draws are made on the CPU (a few µs
+    a sample); the pixels never leave the device."""
 
-    Same keys, same draws (:func:`crop_flip_params` from the generator keyed by
-    ``(seed, "augment", epoch, index)``) and the same bytes as the DataLoader path: the
-    choice of loader cannot change the bits. The draws are made on the CPU (a few µs a
-    sample); the pixels never leave the device."""
-
-    def __init__(
-        self,
-        splits: DataSplits,
-        seed: int,
-        batch_size: int,
-        micro_batch_size: int,
-        device: torch.device,
-        start_step: int = 0,
-        shard: tuple[int, int] | None = None,
-    ) -> None:
-        self.batch_sampler = KeyedBatchSampler(
-            len(splits.train), batch_size, micro_batch_size, seed, start_step, shard
-        )
-        self.images = splits.train.images.to(device)
-        self.labels = splits.train.labels.to(device)
-        self.seed, self.augment, self.device = seed, splits.augment, device
+    def __init__(self, batches: KeyedBatches, sampler: KeyedBatchSampler) -> None:
+        self.batches, self.sampler = batches, sampler
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for keys in self.batch_sampler:
-            index = torch.tensor([i for _, i in keys])
-            images = self.images[index.to(self.device, non_blocking=True)]
-            if self.augment:
-                params = torch.tensor(
-                    [
-                        crop_flip_params(keyed_generator(self.seed, "augment", epoch, i))
-                        for epoch, i in keys
-                    ]
-                )
-                images = crop_flip_batch(images, params.to(self.device, non_blocking=True))
-            yield images, self.labels[index.to(self.device, non_blocking=True)]
+        return (self.batches[keys] for keys in self.sampler)
 
 
 def _init_worker(worker_id: int) -> None:
@@ -392,19 +379,19 @@ def make_train_loader(
     shard: tuple[int, int] | None = None,
     device: torch.device | None = None,
 ) -> DataLoader | DeviceBatches:
-    """A DataLoader over micro-batches of the training split (infinite; the loop counts);
+    """The micro-batches of the training split (infinite; the loop counts):
     ``shard=(first, count)``: only those micro-batches of each step (this rank's share).
-    With ``loader.on_device``, :class:`DeviceBatches` on ``device`` instead."""
+    A DataLoader whose every item is a whole micro-batch (:class:`KeyedBatches`, fetched in
+    ``loader.num_workers`` workers or in this process), or with ``loader.on_device``,
+    :class:`DeviceBatches` on ``device``. Either way ``.sampler`` is the
+    :class:`KeyedBatchSampler`."""
+    sampler = KeyedBatchSampler(
+        len(splits.train), batch_size, micro_batch_size, seed, start_step, shard
+    )
     if getattr(loader_cfg, "on_device", False):
-        return DeviceBatches(
-            splits,
-            seed,
-            batch_size,
-            micro_batch_size,
-            device or torch.device("cpu"),
-            start_step,
-            shard,
-        )
+        device = device or torch.device("cpu")
+        split = TensorImages(splits.train.images.to(device), splits.train.labels.to(device))
+        return DeviceBatches(KeyedBatches(split, seed, splits.augment), sampler)
     workers = int(loader_cfg.num_workers)
     extra = {}
     if workers > 0:
@@ -412,10 +399,9 @@ def make_train_loader(
         if loader_cfg.prefetch_factor is not None:
             extra["prefetch_factor"] = int(loader_cfg.prefetch_factor)
     return DataLoader(
-        KeyedAugmentDataset(splits.train, seed, splits.augment),
-        batch_sampler=KeyedBatchSampler(
-            len(splits.train), batch_size, micro_batch_size, seed, start_step, shard
-        ),
+        KeyedBatches(splits.train, seed, splits.augment),
+        sampler=sampler,
+        batch_size=None,  # the sampler's items are whole micro-batches of keys
         num_workers=workers,
         pin_memory=pin_memory,
         worker_init_fn=_init_worker,

@@ -475,7 +475,7 @@ def train(
         shard=(first, count),
         device=device,
     )
-    steps_per_epoch = loader.batch_sampler.steps_per_epoch
+    steps_per_epoch = loader.sampler.steps_per_epoch
     normalize = DeviceNormalizer(splits, device)
     reducer = Reducer(world, str(cfg.dist.reduction)) if world.distributed else None
     n_params = sum(p.numel() for p in model.parameters())
