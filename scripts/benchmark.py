@@ -5,10 +5,12 @@
     python scripts/benchmark.py --steps 60 --warmup 10 --repeats 2 --models convnet
 
 For each model (the default ConvNet at its default batch; the ResNet-18 preset at batch 256)
-and each variant (amp off/on x loader single/multi/device), determinism strict and fast alternate
-`--repeats` times. Throughput is images/s over the steps after `--warmup` (timed with CUDA
-synchronisation at both ends, evaluation excluded); the ratio strict / fast is of the
-medians. Every strict repeat's final weights digest is recorded: they must agree.
+and precision (amp off/on), every loader (single/multi/device) x determinism (strict/fast)
+cell runs `--repeats` times, the cells rotated together. Throughput is images/s over the
+steps after `--warmup` (timed with CUDA synchronisation at both ends, evaluation excluded);
+the ratio strict / fast is of the medians. Every strict repeat's final weights digest is recorded: they must agree. The
+input pipeline's cost is strict with a loader over strict with ``loader=device`` (the
+training split already on the GPU).
 ``--lightning`` adds the peer (``scripts/lightning_peer.py``: the same model and data under
 Lightning's ``seed_everything(workers=True)`` + ``Trainer(deterministic=True)``, each run its
 own process) to the alternation of the single- and multi-worker variants, and the ratio
@@ -142,54 +144,77 @@ def main() -> int:
     pin_process_environment(compose([], ROOT / "conf").determinism)  # strict needs it pinned
 
     rows = []
+    across: list[tuple[str, str, int]] = []  # (model, amp, strict digests over all loaders)
     with tempfile.TemporaryDirectory() as tmp:
         n = 0
         timed_run(MODELS[args.models[0]], args.warmup + 5, args.warmup, Path(tmp) / "warm")
         for model in args.models:
-            for amp, loader, variant in VARIANTS:
-                if f"{amp}-{loader}" not in args.variants:
+            for amp in dict.fromkeys(a for a, _, _ in VARIANTS):
+                # every (loader, mode) cell of this model and precision, rotated together, so
+                # that ratios across loaders are as side by side as those across modes
+                variants = {
+                    loader: overrides
+                    for a, loader, overrides in VARIANTS
+                    if a == amp and f"{a}-{loader}" in args.variants
+                }
+                if not variants:
                     continue
-                modes = ["strict", "fast"]
-                if args.lightning and loader != "device":  # Lightning takes a DataLoader
-                    modes.append("lightning")
-                res: dict[str, list[dict]] = {m: [] for m in modes}
+                cells = [
+                    (loader, mode)
+                    for loader in variants
+                    for mode in ("strict", "fast", "lightning")
+                    if mode != "lightning" or (args.lightning and loader != "device")
+                ]  # Lightning takes a DataLoader: no on-device row
+                res: dict[tuple[str, str], list[dict]] = {c: [] for c in cells}
                 for i in range(args.repeats):
-                    for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:  # rotated
+                    for loader, mode in cells[i % len(cells) :] + cells[: i % len(cells)]:
                         n += 1
+                        overrides = [*MODELS[model], *variants[loader]]
                         if mode == "lightning":
-                            r = lightning_run([*MODELS[model], *variant], args.steps, args.warmup)
+                            r = lightning_run(overrides, args.steps, args.warmup)
                         else:
                             r = timed_run(
-                                [*MODELS[model], *variant, f"determinism={mode}"],
+                                [*overrides, f"determinism={mode}"],
                                 args.steps,
                                 args.warmup,
                                 Path(tmp) / f"run{n}",
                             )
-                        res[mode].append(r)
+                        res[loader, mode].append(r)
                         print(
-                            f"{model:8} {amp} {loader:6} {mode:6} {i + 1}/{args.repeats}: "
+                            f"{model:8} {amp} {loader:6} {mode:9} {i + 1}/{args.repeats}: "
                             f"{r['images_per_second']:9.0f} img/s  {r['weights'][:12]}",
                             flush=True,
                         )
-                ips = {m: [r["images_per_second"] for r in v] for m, v in res.items()}
-                med = {m: statistics.median(v) for m, v in ips.items()}
-                rows.append(
-                    {
+                group = []
+                for loader in variants:
+                    runs = {m: v for (lo, m), v in res.items() if lo == loader}
+                    ips = {m: [r["images_per_second"] for r in v] for m, v in runs.items()}
+                    med = {m: statistics.median(v) for m, v in ips.items()}
+                    row = {
                         "model": model,
                         "amp": amp,
                         "loader": loader,
                         "images_per_second": ips,
                         "median": med,
                         "strict_over_fast": med["strict"] / med["fast"],
-                        "strict_distinct_weights": len({r["weights"] for r in res["strict"]}),
-                        "fast_distinct_weights": len({r["weights"] for r in res["fast"]}),
+                        "strict_distinct_weights": len({r["weights"] for r in runs["strict"]}),
+                        "fast_distinct_weights": len({r["weights"] for r in runs["fast"]}),
+                        "strict_weights": sorted({r["weights"] for r in runs["strict"]}),
                     }
-                )
-                if "lightning" in res:
-                    rows[-1]["strict_over_lightning"] = med["strict"] / med["lightning"]
-                    rows[-1]["lightning_distinct_weights"] = len(
-                        {r["weights"] for r in res["lightning"]}
-                    )
+                    if "lightning" in runs:
+                        row["strict_over_lightning"] = med["strict"] / med["lightning"]
+                        row["lightning_distinct_weights"] = len(
+                            {r["weights"] for r in runs["lightning"]}
+                        )
+                    group.append(row)
+                on_device = next((r for r in group if r["loader"] == "device"), None)
+                for row in group:  # the input pipeline against data already on the GPU
+                    if on_device is not None and row is not on_device:
+                        row["strict_over_on_device"] = (
+                            row["median"]["strict"] / on_device["median"]["strict"]
+                        )
+                rows += group
+                across.append((model, amp, len(set().union(*(r["strict_weights"] for r in group)))))
 
     from repro.trace import environment
 
@@ -208,6 +233,9 @@ def main() -> int:
         "warmup": args.warmup,
         "repeats": args.repeats,
         "rows": rows,
+        "strict_digests_across_loaders": [
+            {"model": m, "amp": a, "distinct": k} for m, a, k in across
+        ],
     }
     lines = [
         f"# Throughput, strict vs fast, {date}",
@@ -215,12 +243,16 @@ def main() -> int:
         f"`{command}`",
         "",
         f"{environment_line(env)}. {args.steps} steps per run, images/s over the last {args.steps - args.warmup} "
-        f"(evaluation excluded); {args.repeats} repeats per mode, alternated, one process.",
+        f"(evaluation excluded); {args.repeats} repeats per cell, every loader and mode of a model and "
+        "precision in turn, one process. Strict / strict on-device: strict with this loader over "
+        "strict with the training split already on the GPU (`loader=device`); the default "
+        "loader is `single`.",
         "",
         "| model | amp | loader | strict img/s (min–max) | fast img/s (min–max) | strict / fast "
         "| strict digests | fast digests | strict TFLOP/s (% of bf16 ceiling) "
-        "| Lightning img/s (min–max) | strict / Lightning | Lightning digests |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| Lightning img/s (min–max) | strict / Lightning | Lightning digests "
+        "| strict / strict on-device |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         s, f = r["images_per_second"]["strict"], r["images_per_second"]["fast"]
@@ -236,7 +268,8 @@ def main() -> int:
             f"({min(s):.0f}–{max(s):.0f}) | {r['median']['fast']:.0f} ({min(f):.0f}–{max(f):.0f})"
             f" | {r['strict_over_fast']:.3f} | {r['strict_distinct_weights']} | "
             f"{r['fast_distinct_weights']} | {r['strict_tflops']:.1f} "
-            f"({100 * r['strict_tflops'] / H200_BF16_TFLOPS:.1f}%) | {light} |"
+            f"({100 * r['strict_tflops'] / H200_BF16_TFLOPS:.1f}%) | {light} | "
+            + (f"{r['strict_over_on_device']:.3f} |" if "strict_over_on_device" in r else "– |")
         )
     lines += [
         "",
@@ -244,6 +277,11 @@ def main() -> int:
         + ", ".join(f"{m} {f / 1e9:.3f} GFLOP" for m, f in flops.items())
         + f". Ceiling: the H200's measured bf16 matmul rate, {H200_BF16_TFLOPS:.0f} TFLOP/s "
         "(fp32 rows are further from theirs: fp32 runs on CUDA cores).",
+    ]
+    lines += [
+        "",
+        "Strict's weight digests over every loader and repeat (the loader must not change the "
+        "bits): " + ", ".join(f"{m} {a}: {k}" for m, a, k in across) + ".",
     ]
     if args.lightning:
         lines += [
