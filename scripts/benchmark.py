@@ -118,6 +118,14 @@ def flops_per_image(overrides: list[str]) -> float:
     return counter.get_total_flops() / len(images)
 
 
+def default_loader() -> str:
+    """The ``loader`` option of conf/train.yaml's defaults list."""
+    from omegaconf import OmegaConf
+
+    defaults = OmegaConf.load(ROOT / "conf" / "train.yaml").defaults
+    return next(str(d["loader"]) for d in defaults if not isinstance(d, str) and "loader" in d)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -246,7 +254,7 @@ def main() -> int:
         f"(evaluation excluded); {args.repeats} repeats per cell, every loader and mode of a model and "
         "precision in turn, one process. Strict / strict on-device: strict with this loader over "
         "strict with the training split already on the GPU (`loader=device`); the default "
-        "loader is `single`.",
+        f"loader is `{default_loader()}`.",
         "",
         "| model | amp | loader | strict img/s (min–max) | fast img/s (min–max) | strict / fast "
         "| strict digests | fast digests | strict TFLOP/s (% of bf16 ceiling) "

@@ -76,6 +76,11 @@ def run_train(
     env: dict[str, str] | None = None,
     nproc: int | None = None,
 ) -> Run:
+    if not any(o.startswith(("loader=", "+loader=", "~loader")) for o in overrides):
+        # The default loader starts 2 worker processes (about 0.8 s a run here); the bits do
+        # not depend on them (test_data, test_train, test_resume, test_dist prove it), so a
+        # test that does not choose a loader loads in the main process.
+        overrides = ("loader=single", *overrides)
     proc = subprocess.run(
         train_cmd(f"hydra.run.dir={run_dir}", *overrides, nproc=nproc),
         cwd=cwd or run_dir.parent,

@@ -15,6 +15,7 @@ from conftest import CONF_DIR, SHORT, run_train, user_env
 from repro.compare import compare_dirs
 from repro.config import compose
 from repro.loop import train
+from repro.trace import BackgroundDigests, state_digests
 
 TRACED = [*SHORT, "trainer.trace_every=10"]
 
@@ -60,6 +61,28 @@ def test_trace_holds_the_exact_values_and_digests(runs):
     assert records[-1]["final"] is True
     assert records[-1]["weights_sha256"] == run.summary["weights_sha256"]
     assert records[-1]["eval"]["val_accuracy"] == run.summary["val_accuracy"]
+
+
+def check_background_digests(device: str) -> None:
+    """The trace's periodic digests are hashed on a thread while training goes on: they must
+    be those of the state when submitted, not after the next update."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.BatchNorm1d(32)).to(device)
+    before = state_digests(model.state_dict())
+    digests = BackgroundDigests()
+    try:
+        future = digests.submit(model.state_dict())
+        with torch.no_grad():  # the next step's update, in place
+            model[0].weight.add_(1)
+        assert future.result() == before
+        after = digests.submit(model.state_dict()).result()
+        assert after == state_digests(model.state_dict()) and after[1] != before[1]
+        assert after[0]["1.running_mean"] == before[0]["1.running_mean"]
+    finally:
+        digests.close()
+
+
+def test_background_digests_hash_the_state_as_submitted():
+    check_background_digests("cpu")
 
 
 def test_env_json_records_versions_flags_variables_git_and_config(runs):

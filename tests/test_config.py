@@ -22,7 +22,7 @@ def test_defaults_are_as_documented():
     c = cfg()
     choices = {
         "determinism": "strict",
-        "loader": "single",
+        "loader": "multi",
         "amp": "off",
         "model": "convnet",
         "data": "synthetic",
@@ -30,7 +30,7 @@ def test_defaults_are_as_documented():
         "trainer": "default",
     }
     assert str(c.determinism.mode) == "strict"
-    assert c.loader.num_workers == 0 and c.amp.enabled is False
+    assert c.loader.num_workers == 2 and c.loader.pin_memory and c.amp.enabled is False
     assert c.model._target_ == "repro.models.ConvNet" and c.data._target_ == "repro.data.synthetic"
     assert str(c.optim.name) == "sgd" and c.seed == 0
     for group, option in choices.items():

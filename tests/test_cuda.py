@@ -63,6 +63,12 @@ def test_strict_resnet18_fp32_twice_is_identical_with_or_without_the_nan_fill(tr
     assert a.losses == b.losses
 
 
+def test_background_digests_hash_the_state_as_submitted_on_cuda():
+    from test_compare import check_background_digests
+
+    check_background_digests("cuda")  # the pinned, asynchronous copy
+
+
 def test_deterministic_mode_makes_index_add_repeatable():
     """index_add_ on CUDA: atomics in its default kernel; a deterministic kernel under
     use_deterministic_algorithms(True). 5 repeats in deterministic mode give one result."""

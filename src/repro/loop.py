@@ -18,6 +18,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,7 @@ from repro.running_stats import RunningStats
 from repro.trace import (
     ENV_FILE,
     TRACE_FILE,
+    BackgroundDigests,
     TraceWriter,
     environment,
     run_fingerprint,
@@ -507,6 +509,7 @@ def train(
             trace.write([{"step": 0, "tensors": tensors, "weights_sha256": whole}])
     # (step, loss, grad norm, lr, extra trace fields): losses stay on the device until a flush
     pending: list[tuple[int, torch.Tensor, torch.Tensor, float, dict[str, Any]]] = []
+    digests = BackgroundDigests()  # the trace's periodic state digests, hashed off the loop
     progress = Progress(max_steps, enabled=bool(t.progress) and world.main, start=start)
     last_loss, val_loss, val_acc = float("nan"), float("nan"), float("nan")
     if resume:  # the values the straight run would hold at this step
@@ -522,6 +525,9 @@ def train(
         values = torch.stack(
             [torch.stack([loss, norm.float()]) for _, loss, norm, _, _ in pending]
         ).tolist()
+        for *_, extra in pending:
+            if isinstance(extra.get("tensors"), Future):
+                extra["tensors"], extra["weights_sha256"] = extra["tensors"].result()
         rows = [
             [s, (s - 1) // steps_per_epoch, v[0], v[1], lr]
             for (s, _, _, lr, _), v in zip(pending, values, strict=True)
@@ -617,8 +623,13 @@ def train(
                 if after_step is not None:
                     after_step(done, model)
                 if traced and (done == max_steps or (trace_every and done % trace_every == 0)):
-                    extra["tensors"], extra["weights_sha256"] = state_digests(model.state_dict())
-                    check_same(extra["weights_sha256"], world, "weights", done)
+                    if world.distributed or done == max_steps:  # compared, or needed, now
+                        digest = state_digests(model.state_dict())
+                        extra["tensors"], extra["weights_sha256"] = digest
+                        check_same(extra["weights_sha256"], world, "weights", done)
+                    else:  # hashed in the background; written (in this place) at the flush
+                        extra["tensors"] = digests.submit(model.state_dict())
+                        extra["weights_sha256"] = None
                 if done == max_steps:
                     extra["final"] = True
                     final_weights = extra.get("weights_sha256")  # digested just above if traced
@@ -668,6 +679,7 @@ def train(
                     signals.hand_over()  # e.g. submitit: requeue this job (and exit)
                     raise Preempted(done, name)
     finally:
+        digests.close()
         progress.close()
         metrics.close()
         evals.close()

@@ -27,6 +27,8 @@ import re
 import subprocess
 import sys
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -64,31 +66,81 @@ def tensors_sha256(*tensors: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+@dataclass
+class _Snapshot:
+    """A state dict's tensor bytes, copied at one moment (sorted keys, one uint8 buffer on the
+    CPU, or being copied there until ``ready`` has passed)."""
+
+    keys: list[str]
+    sizes: list[int]
+    data: torch.Tensor | None
+    parts: list[torch.Tensor] | None = None  # tensors on several devices: one copy each
+    ready: torch.cuda.Event | None = None
+
+
+def _snapshot(state_dict: Mapping[str, Any], non_blocking: bool = False) -> _Snapshot:
+    """Copy the state dict's tensors to the CPU in one transfer (one synchronisation, not one
+    per tensor). With ``non_blocking`` and the tensors on one GPU, into pinned memory without
+    waiting: hash only after ``ready``."""
+    keys = sorted(k for k, v in state_dict.items() if isinstance(v, torch.Tensor))
+    flat = [state_dict[k].detach().contiguous().reshape(-1).view(torch.uint8) for k in keys]
+    sizes = [t.numel() for t in flat]
+    devices = {t.device for t in flat}
+    if len(devices) > 1:
+        return _Snapshot(keys, sizes, None, parts=[t.cpu() for t in flat])
+    if not flat:
+        return _Snapshot(keys, sizes, torch.empty(0, dtype=torch.uint8))
+    data = torch.cat(flat)  # a copy: later steps cannot change it
+    if data.device.type != "cuda":
+        return _Snapshot(keys, sizes, data)
+    if not non_blocking:
+        return _Snapshot(keys, sizes, data.cpu())
+    host = torch.empty(data.shape, dtype=torch.uint8, pin_memory=True)
+    host.copy_(data, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return _Snapshot(keys, sizes, host, ready=ready)
+
+
+def _hash(snap: _Snapshot) -> tuple[dict[str, str], str]:
+    if snap.ready is not None:
+        snap.ready.synchronize()
+    if snap.parts is not None:
+        views = [t.numpy() for t in snap.parts]
+    else:
+        data, views, offset = snap.data.numpy(), [], 0
+        for n in snap.sizes:
+            views.append(data[offset : offset + n])
+            offset += n
+    whole, per = hashlib.sha256(), {}
+    for k, v in zip(snap.keys, views, strict=True):
+        whole.update(v)  # the buffer itself: no copy into bytes
+        per[k] = hashlib.sha256(v).hexdigest()
+    return per, whole.hexdigest()
+
+
 def state_digests(state_dict: Mapping[str, Any]) -> tuple[dict[str, str], str]:
     """Per-entry SHA-256 of a state dict's tensors, and the digest of the whole.
 
-    The tensors are copied to the CPU in one transfer (one synchronisation, not one per
-    tensor). The whole digest hashes the entries' bytes in sorted key order: it is
-    :func:`state_dict_sha256`."""
-    keys = sorted(k for k, v in state_dict.items() if isinstance(v, torch.Tensor))
-    if not keys:
-        return {}, hashlib.sha256().hexdigest()
-    flat = [state_dict[k].detach().contiguous().reshape(-1).view(torch.uint8) for k in keys]
-    devices = {t.device for t in flat}
-    if len(devices) == 1:
-        data = torch.cat(flat).cpu().numpy()
-        views, offset = [], 0
-        for t in flat:
-            views.append(data[offset : offset + t.numel()])
-            offset += t.numel()
-    else:
-        views = [t.cpu().numpy() for t in flat]
-    whole, per = hashlib.sha256(), {}
-    for k, v in zip(keys, views, strict=True):
-        b = v.tobytes()
-        whole.update(b)
-        per[k] = hashlib.sha256(b).hexdigest()
-    return per, whole.hexdigest()
+    The tensors are copied to the CPU in one transfer. The whole digest hashes the entries'
+    bytes in sorted key order: it is :func:`state_dict_sha256`."""
+    return _hash(_snapshot(state_dict))
+
+
+class BackgroundDigests:
+    """:func:`state_digests` off the training loop's critical path: :meth:`submit` copies the
+    state (on a GPU: one device-side copy and an asynchronous transfer into pinned memory) and
+    returns a future; a worker thread hashes it once the transfer is done (hashlib releases
+    the GIL), while the loop goes on launching steps. The digests are the same."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="repro-digest")
+
+    def submit(self, state_dict: Mapping[str, Any]) -> Future[tuple[dict[str, str], str]]:
+        return self._pool.submit(_hash, _snapshot(state_dict, non_blocking=True))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def state_dict_sha256(state_dict: Mapping[str, Any]) -> str:
