@@ -61,10 +61,16 @@ def write_results(
     record: Any,
     devices: int = 1,
 ) -> None:
-    """Print ``text`` and write ``<out>/<stem>.md`` and ``.json`` (:func:`result_stem`)."""
+    """Print ``text`` and write ``<out>/<stem>.md`` and ``.json`` (:func:`result_stem`); a
+    result already there (an earlier run the same day) is kept: the new one gets ``-2``,
+    ``-3``, ... after the stem."""
     print(text)
     out.mkdir(parents=True, exist_ok=True)
-    stem = result_stem(kind, date, env, devices)
+    base = stem = result_stem(kind, date, env, devices)
+    n = 1
+    while (out / f"{stem}.md").exists() or (out / f"{stem}.json").exists():
+        n += 1
+        stem = f"{base}-{n}"
     (out / f"{stem}.md").write_text(text)
     (out / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out / stem}.md/.json")

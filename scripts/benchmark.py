@@ -136,6 +136,7 @@ def main() -> int:
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--variants", nargs="+", default=VARIANT_NAMES, choices=VARIANT_NAMES)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks")
+    p.add_argument("--label", default="", help="names the result files: benchmark-LABEL-<date>-...")
     p.add_argument(
         "--lightning",
         action="store_true",
@@ -302,7 +303,8 @@ def main() -> int:
             "it off, which matters to fp32 rows).",
         ]
     text = "\n".join(lines) + "\n"
-    write_results(args.out, "benchmark", date, env, text, record)
+    kind = f"benchmark-{args.label}" if args.label else "benchmark"
+    write_results(args.out, kind, date, env, text, record)
     return 0
 
 

@@ -143,3 +143,20 @@ def test_profile_step_refuses_a_window_without_warm_up():
         env=user_env(),
     )
     assert out.returncode == 2 and "--warmup 1 or more" in out.stderr
+
+
+def test_a_second_result_the_same_day_keeps_the_first(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from _results import write_results
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    env = {"gpu": "NVIDIA H200"}
+    write_results(tmp_path, "benchmark", "2026-11-29", env, "first\n", {"n": 1})
+    write_results(tmp_path, "benchmark", "2026-11-29", env, "second\n", {"n": 2})
+    first = tmp_path / "benchmark-2026-11-29-NVIDIA_H200.md"
+    assert first.read_text() == "first\n"
+    assert (tmp_path / "benchmark-2026-11-29-NVIDIA_H200-2.md").read_text() == "second\n"
+    assert json.loads((tmp_path / "benchmark-2026-11-29-NVIDIA_H200-2.json").read_text()) == {
+        "n": 2
+    }
