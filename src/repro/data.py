@@ -1,12 +1,14 @@
 """Datasets, keyed augmentation, the resumable keyed sampler and the loader factory.
 
-Layer 3 of the defense. The sampler yields *keys* ``(epoch, index)``, not bare indices;
-the dataset derives each sample's augmentation generator from ``(seed, "augment", epoch,
-index)``. Which worker loads a sample, and how many workers there are, cannot change it.
+Layer 3 of the defense. The sampler yields micro-batches of *keys* ``(epoch, index)``, not
+bare indices; :class:`KeyedBatches` derives each sample's augmentation generator from
+``(seed, "augment", epoch, index)``. Which worker loads a sample, how many workers there are,
+and whether the batch is cut on the host or on the GPU cannot change it.
 
 A dataset is any function that returns :class:`DataSplits`; a config selects it with
 ``_target_`` (see ``conf/data/``). Images are uint8 ``C×H×W`` tensors; they become floats on
-the device (:func:`to_device`), where the conversion is cheap and the transfer 4× smaller.
+the device (:class:`DeviceNormalizer`), where the conversion is cheap and the transfer 4×
+smaller.
 """
 
 from __future__ import annotations
@@ -221,7 +223,8 @@ CROP_PAD = 4
 
 def crop_flip_params(generator: torch.Generator, pad: int = CROP_PAD) -> tuple[int, int, bool]:
     """The draws of one sample's augmentation: crop offsets (dy, dx) and the flip. One
-    definition for the per-sample path and the on-device batch path, so both crop alike."""
+    definition for :func:`random_crop_flip` (one image) and :func:`keyed_crop_flip_params`
+    (a batch), so both crop alike."""
     dy, dx = torch.randint(0, 2 * pad + 1, (2,), generator=generator).tolist()
     flip = bool(torch.randint(0, 2, (1,), generator=generator))
     return dy, dx, flip
@@ -245,7 +248,7 @@ def crop_flip_batch(
 ) -> torch.Tensor:
     """:func:`random_crop_flip` for a whole N×C×H×W batch at once, on its device: ``params``
     holds each sample's (dy, dx, flip). Pure data movement (pad, then one gather of every
-    output pixel's source), so the bytes equal the per-sample path's."""
+    output pixel's source), so the bytes equal :func:`random_crop_flip`'s, image by image."""
     n, c, h, w = images.shape
     params = params.to(images.device)
     dy, dx, flip = params[:, 0:1], params[:, 1:2], params[:, 2:3].bool()
