@@ -8,12 +8,12 @@ For each model (the default ConvNet at its default batch; the ResNet-18 preset a
 and precision (amp off/on), every loader (single/multi/device) x determinism (strict/fast)
 cell runs `--repeats` times, the cells rotated together. Throughput is images/s over the
 steps after `--warmup` (timed with CUDA synchronisation at both ends, evaluation excluded);
-the ratio strict / fast is of the medians. Every strict repeat's final weights digest is recorded: they must agree. The
-input pipeline's cost is strict with a loader over strict with ``loader=device`` (the
-training split already on the GPU).
+the ratio strict / fast is of the medians. Every strict repeat's final weights digest is
+recorded: they must agree, across loaders too. The input pipeline's cost is strict with a
+loader over strict with ``loader=device`` (the training split already on the GPU).
 ``--lightning`` adds the peer (``scripts/lightning_peer.py``: the same model and data under
 Lightning's ``seed_everything(workers=True)`` + ``Trainer(deterministic=True)``, each run its
-own process) to the alternation of the single- and multi-worker variants, and the ratio
+own process) to the rotation of the single- and multi-worker variants, and the ratio
 strict / Lightning. Writes benchmarks/benchmark-<date>-<gpu>.md/.json with the versions and
 the exact command.
 """
@@ -176,7 +176,8 @@ def main() -> int:
                 ]  # Lightning takes a DataLoader: no on-device row
                 res: dict[tuple[str, str], list[dict]] = {c: [] for c in cells}
                 for i in range(args.repeats):
-                    for loader, mode in cells[i % len(cells) :] + cells[: i % len(cells)]:
+                    shift = i * len(cells) // args.repeats  # spread over the order, not by one
+                    for loader, mode in cells[shift:] + cells[:shift]:
                         n += 1
                         overrides = [*MODELS[model], *variants[loader]]
                         if mode == "lightning":
@@ -209,6 +210,7 @@ def main() -> int:
                         "strict_distinct_weights": len({r["weights"] for r in runs["strict"]}),
                         "fast_distinct_weights": len({r["weights"] for r in runs["fast"]}),
                         "strict_weights": sorted({r["weights"] for r in runs["strict"]}),
+                        "fast_weights": [r["weights"] for r in runs["fast"]],
                     }
                     if "lightning" in runs:
                         row["strict_over_lightning"] = med["strict"] / med["lightning"]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import CONF_DIR, SHORT, run_train, user_env
+from repro.checkpoint import checkpoint_path
 from repro.compare import compare_dirs
 from repro.config import compose
 from repro.loop import train
@@ -61,6 +62,24 @@ def test_trace_holds_the_exact_values_and_digests(runs):
     assert records[-1]["final"] is True
     assert records[-1]["weights_sha256"] == run.summary["weights_sha256"]
     assert records[-1]["eval"]["val_accuracy"] == run.summary["val_accuracy"]
+
+
+def test_trace_digests_are_the_state_after_their_step(tmp_path):
+    """The periodic digests are hashed in the background and written when ready: each must
+    be the weights after its own step (checkpoints hold those), and the trace complete."""
+    args = [*SHORT, "trainer.trace_every=5", "trainer.log_every=5", "trainer.keep_checkpoints=9"]
+    held = run_train(tmp_path / "held", *args, "trainer.checkpoint_every=20")
+    every = run_train(tmp_path / "every", *args, "trainer.checkpoint_every=5")
+    digests = {}
+    for run in (held, every):
+        records = trace(run.dir)
+        assert [r["step"] for r in records] == list(range(41))
+        digests[run.dir.name] = {r["step"]: r["weights_sha256"] for r in records if "tensors" in r}
+    assert sorted(digests["held"]) == list(range(0, 41, 5))
+    assert digests["held"] == digests["every"]
+    for step in range(5, 40, 5):
+        state = torch.load(checkpoint_path(every.dir, step), weights_only=True)
+        assert digests["every"][step] == state_digests(state["model"])[1], step
 
 
 def check_background_digests(device: str) -> None:

@@ -518,33 +518,42 @@ def train(
         val_loss, val_acc = last.get("val_loss", val_loss), last.get("val_accuracy", val_acc)
     resume = resume and (resume[0], None, resume[2])  # the state is restored: let it go
 
-    def flush() -> None:
+    held: list[dict[str, Any]] = []  # trace records whose state digest is still hashing
+
+    def flush(wait: bool = False) -> None:
+        """Write the pending steps' metrics rows, and their trace records up to the first one
+        whose state digest the background thread is still hashing (all, with ``wait``)."""
         nonlocal last_loss
-        if not pending:
-            return
-        values = torch.stack(
-            [torch.stack([loss, norm.float()]) for _, loss, norm, _, _ in pending]
-        ).tolist()
-        for *_, extra in pending:
-            if isinstance(extra.get("tensors"), Future):
-                extra["tensors"], extra["weights_sha256"] = extra["tensors"].result()
-        rows = [
-            [s, (s - 1) // steps_per_epoch, v[0], v[1], lr]
-            for (s, _, _, lr, _), v in zip(pending, values, strict=True)
-        ]
-        metrics.write(rows)
-        if trace:
-            trace.write(
-                [
+        if pending:
+            values = torch.stack(
+                [torch.stack([loss, norm.float()]) for _, loss, norm, _, _ in pending]
+            ).tolist()
+            rows = [
+                [s, (s - 1) // steps_per_epoch, v[0], v[1], lr]
+                for (s, _, _, lr, _), v in zip(pending, values, strict=True)
+            ]
+            metrics.write(rows)
+            if trace:
+                held.extend(
                     {"step": s, "epoch": e, "loss": loss, "grad_norm": norm, "lr": lr, **extra}
                     for (s, e, loss, norm, lr), (*_, extra) in zip(rows, pending, strict=True)
-                ]
-            )
-        last_loss = rows[-1][2]
-        pending.clear()
+                )
+            last_loss = rows[-1][2]
+            pending.clear()
+        ready = 0
+        for record in held:
+            digest = record.get("tensors")
+            if isinstance(digest, Future):
+                if not (wait or digest.done()):
+                    break
+                record["tensors"], record["weights_sha256"] = digest.result()
+            ready += 1
+        if trace and ready:
+            trace.write(held[:ready])
+            del held[:ready]
 
     def checkpoint(step: int) -> Path:
-        flush()  # the logs on disk cover every step the checkpoint does
+        flush(wait=True)  # the logs on disk cover every step the checkpoint does
         path = checkpoint_path(run_dir, step)
         save_checkpoint(
             path,

@@ -87,7 +87,7 @@ def _snapshot(state_dict: Mapping[str, Any], non_blocking: bool = False) -> _Sna
     sizes = [t.numel() for t in flat]
     devices = {t.device for t in flat}
     if len(devices) > 1:
-        return _Snapshot(keys, sizes, None, parts=[t.cpu() for t in flat])
+        return _Snapshot(keys, sizes, None, parts=[t.to("cpu", copy=True) for t in flat])
     if not flat:
         return _Snapshot(keys, sizes, torch.empty(0, dtype=torch.uint8))
     data = torch.cat(flat)  # a copy: later steps cannot change it
@@ -95,10 +95,12 @@ def _snapshot(state_dict: Mapping[str, Any], non_blocking: bool = False) -> _Sna
         return _Snapshot(keys, sizes, data)
     if not non_blocking:
         return _Snapshot(keys, sizes, data.cpu())
-    host = torch.empty(data.shape, dtype=torch.uint8, pin_memory=True)
-    host.copy_(data, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
+    stream = torch.cuda.current_stream(data.device)  # the model's GPU, current or not
+    with torch.cuda.stream(stream):
+        host = torch.empty(data.shape, dtype=torch.uint8, pin_memory=True)
+        host.copy_(data, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(stream)
     return _Snapshot(keys, sizes, host, ready=ready)
 
 
@@ -131,13 +133,19 @@ class BackgroundDigests:
     """:func:`state_digests` off the training loop's critical path: :meth:`submit` copies the
     state (on a GPU: one device-side copy and an asynchronous transfer into pinned memory) and
     returns a future; a worker thread hashes it once the transfer is done (hashlib releases
-    the GIL), while the loop goes on launching steps. The digests are the same."""
+    the GIL), while the loop goes on launching steps. The digests are the same. At most one
+    copy waits to be hashed: a submit first waits for the one before (with ``trace_every=1``
+    a large model would otherwise pile up copies of its state)."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="repro-digest")
+        self._last: Future[tuple[dict[str, str], str]] | None = None
 
     def submit(self, state_dict: Mapping[str, Any]) -> Future[tuple[dict[str, str], str]]:
-        return self._pool.submit(_hash, _snapshot(state_dict, non_blocking=True))
+        if self._last is not None:
+            self._last.exception()  # wait; its errors are raised where its result is read
+        self._last = self._pool.submit(_hash, _snapshot(state_dict, non_blocking=True))
+        return self._last
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
