@@ -14,6 +14,7 @@ smaller.
 from __future__ import annotations
 
 import math
+import multiprocessing
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -371,6 +372,16 @@ def _init_worker(worker_id: int) -> None:
     worker_init_fn(worker_id)
 
 
+def _worker_context() -> multiprocessing.context.BaseContext:
+    """The start method for loader workers: the process's own if it is a standard one, else
+    the platform's default. A parallel sweep runs each job in a joblib (loky) worker whose
+    default is ``loky``, under which a DataLoader cannot start its workers."""
+    method = multiprocessing.get_start_method(allow_none=True)
+    if method not in multiprocessing.get_all_start_methods():
+        method = multiprocessing.get_all_start_methods()[0]
+    return multiprocessing.get_context(method)
+
+
 def make_train_loader(
     splits: DataSplits,
     seed: int,
@@ -408,6 +419,7 @@ def make_train_loader(
         num_workers=workers,
         pin_memory=pin_memory,
         worker_init_fn=_init_worker,
+        multiprocessing_context=_worker_context() if workers > 0 else None,
         # the base seed of the workers' torch/random state: keyed, not the global RNG's
         generator=keyed_generator(seed, "loader"),
         **extra,
