@@ -253,9 +253,9 @@ def main() -> int:
         "",
         f"`{command}`",
         "",
-        f"{environment_line(env)}. {args.steps} steps per run, images/s over the last {args.steps - args.warmup} "
-        f"(evaluation excluded); {args.repeats} repeats per cell, every loader and mode of a model and "
-        "precision in turn, one process. Strict / strict on-device: strict with this loader over "
+        f"{environment_line(env)}. {args.steps} steps per run, images/s over the last "
+        f"{args.steps - args.warmup} (evaluation excluded); {args.repeats} repeats per cell, "
+        "every loader and mode of a model and precision in turn, one process. Strict / strict on-device: strict with this loader over "
         "strict with the training split already on the GPU (`loader=device`); the default "
         f"loader is `{default_loader()}`.",
         "",

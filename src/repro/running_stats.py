@@ -105,9 +105,9 @@ class RunningStats:
 
         Layers with a momentum are updated together: per micro-batch, one multi-tensor
         multiply and one add (means and variances alike) per (momentum, dtype) group, plus
-        one for the counters, instead of four kernels per layer (the step is launch-bound on GPUs). The
-        formula is BatchNorm's, ``(1 - m) * running + m * batch``, rounded after the multiply
-        and after the add."""
+        one for the counters, instead of four kernels per layer (the step is launch-bound on
+        GPUs). The formula is BatchNorm's, ``(1 - m) * running + m * batch``, rounded after
+        the multiply and after the add."""
         layers = [m for _, m in self.layers]
         groups: dict[tuple[float, torch.dtype], list[int]] = {}
         cumulative: list[int] = []
