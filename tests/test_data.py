@@ -89,13 +89,21 @@ def _batches(loader, n):
     return [(x.clone(), y.clone()) for x, y in itertools.islice(iter(loader), n)]
 
 
-def test_loader_output_does_not_depend_on_worker_count():
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 8 workers on 2 cores
+@pytest.mark.parametrize(
+    "workers, persistent, prefetch",
+    [(2, False, 2), (2, True, 1), (8, False, 4), (3, True, None)],
+    ids=["2-workers", "2-persistent-prefetch-1", "8-workers-prefetch-4", "3-persistent"],
+)
+def test_loader_output_does_not_depend_on_worker_count(workers, persistent, prefetch):
+    """DESIGN.md's loader promise: 0, 2 or 8 workers, prefetch, persistent workers."""
     d = small()
     single = _batches(make_train_loader(d, 0, 32, 16, _Loader(), pin_memory=False), 20)
     multi_cfg = _Loader()
-    multi_cfg.num_workers, multi_cfg.prefetch_factor = 2, 2
+    multi_cfg.num_workers, multi_cfg.persistent_workers = workers, persistent
+    multi_cfg.prefetch_factor = prefetch
     multi = _batches(make_train_loader(d, 0, 32, 16, multi_cfg, pin_memory=False), 20)
-    assert len(single) == len(multi) == 20  # crosses the epoch boundary (8 steps/epoch)
+    assert len(single) == len(multi) == 20  # 2 micro-batches a step, 8 steps an epoch: 16 items
     for (xa, ya), (xb, yb) in zip(single, multi, strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
