@@ -14,8 +14,8 @@ loader over strict with ``loader=device`` (the training split already on the GPU
 ``--lightning`` adds the peer (``scripts/lightning_peer.py``: the same model and data under
 Lightning's ``seed_everything(workers=True)`` + ``Trainer(deterministic=True)``, each run its
 own process) to the rotation of the single- and multi-worker variants, and the ratio
-strict / Lightning. Writes benchmarks/benchmark-<date>-<gpu>.md/.json with the versions and
-the exact command.
+strict / Lightning. Writes benchmarks/benchmark[-LABEL]-<date>-<gpu>.md/.json (``-2``, ``-3``
+... when that name is taken) with the versions and the exact command.
 """
 
 from __future__ import annotations
@@ -118,6 +118,39 @@ def flops_per_image(overrides: list[str]) -> float:
     return counter.get_total_flops() / len(images)
 
 
+def summarize(
+    model: str, amp: str, loaders: list[str], res: dict[tuple[str, str], list[dict]]
+) -> list[dict]:
+    """One result row per loader of a model and precision, from its cells' runs: medians,
+    ratios (strict / fast, strict / Lightning, strict / strict on-device) and digests."""
+    group = []
+    for loader in loaders:
+        runs = {m: v for (lo, m), v in res.items() if lo == loader}
+        ips = {m: [r["images_per_second"] for r in v] for m, v in runs.items()}
+        med = {m: statistics.median(v) for m, v in ips.items()}
+        row = {
+            "model": model,
+            "amp": amp,
+            "loader": loader,
+            "images_per_second": ips,
+            "median": med,
+            "strict_over_fast": med["strict"] / med["fast"],
+            "strict_distinct_weights": len({r["weights"] for r in runs["strict"]}),
+            "fast_distinct_weights": len({r["weights"] for r in runs["fast"]}),
+            "strict_weights": sorted({r["weights"] for r in runs["strict"]}),
+            "fast_weights": [r["weights"] for r in runs["fast"]],
+        }
+        if "lightning" in runs:
+            row["strict_over_lightning"] = med["strict"] / med["lightning"]
+            row["lightning_distinct_weights"] = len({r["weights"] for r in runs["lightning"]})
+        group.append(row)
+    on_device = next((r for r in group if r["loader"] == "device"), None)
+    for row in group:  # the input pipeline against data already on the GPU
+        if on_device is not None and row is not on_device:
+            row["strict_over_on_device"] = row["median"]["strict"] / on_device["median"]["strict"]
+    return group
+
+
 def default_loader() -> str:
     """The ``loader`` option of conf/train.yaml's defaults list."""
     from omegaconf import OmegaConf
@@ -195,35 +228,7 @@ def main() -> int:
                             f"{r['images_per_second']:9.0f} img/s  {r['weights'][:12]}",
                             flush=True,
                         )
-                group = []
-                for loader in variants:
-                    runs = {m: v for (lo, m), v in res.items() if lo == loader}
-                    ips = {m: [r["images_per_second"] for r in v] for m, v in runs.items()}
-                    med = {m: statistics.median(v) for m, v in ips.items()}
-                    row = {
-                        "model": model,
-                        "amp": amp,
-                        "loader": loader,
-                        "images_per_second": ips,
-                        "median": med,
-                        "strict_over_fast": med["strict"] / med["fast"],
-                        "strict_distinct_weights": len({r["weights"] for r in runs["strict"]}),
-                        "fast_distinct_weights": len({r["weights"] for r in runs["fast"]}),
-                        "strict_weights": sorted({r["weights"] for r in runs["strict"]}),
-                        "fast_weights": [r["weights"] for r in runs["fast"]],
-                    }
-                    if "lightning" in runs:
-                        row["strict_over_lightning"] = med["strict"] / med["lightning"]
-                        row["lightning_distinct_weights"] = len(
-                            {r["weights"] for r in runs["lightning"]}
-                        )
-                    group.append(row)
-                on_device = next((r for r in group if r["loader"] == "device"), None)
-                for row in group:  # the input pipeline against data already on the GPU
-                    if on_device is not None and row is not on_device:
-                        row["strict_over_on_device"] = (
-                            row["median"]["strict"] / on_device["median"]["strict"]
-                        )
+                group = summarize(model, amp, list(variants), res)
                 rows += group
                 across.append((model, amp, len(set().union(*(r["strict_weights"] for r in group)))))
 
