@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Training throughput, strict vs fast, side by side in one process (issue 6's baseline).
+"""Training throughput, strict vs fast, side by side in one process.
 
     python scripts/benchmark.py                       # on CUDA: both models, all variants
     python scripts/benchmark.py --steps 60 --warmup 10 --repeats 2 --models convnet
@@ -30,15 +30,13 @@ import time
 from pathlib import Path
 
 import torch
+from _results import command_line, environment_line, run_json, today, write_results
+
+from repro.config import compose
+from repro.determinism import pin_process_environment
+from repro.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-
-from _results import command_line, environment_line, run_json, today, write_results  # noqa: E402
-
-from repro.config import compose  # noqa: E402
-from repro.determinism import pin_process_environment  # noqa: E402
-from repro.loop import train  # noqa: E402
 
 MODELS = {
     "convnet": [],  # default batch 64 = 2 x 32
@@ -104,17 +102,17 @@ H200_BF16_TFLOPS = 790.0
 def flops_per_image(overrides: list[str]) -> float:
     """Forward + backward FLOPs of one training image (``torch.utils.flop_counter``: matmuls
     and convolutions, 2 per multiply-add), counted on the CPU with 8 images."""
-    import torch.nn.functional as F
     from torch.utils.flop_counter import FlopCounterMode
 
-    from repro.loop import build_model, instantiate_group
+    from repro.build import build_data, build_model, build_task
 
     cfg = compose(overrides, ROOT / "conf")
-    splits = instantiate_group(cfg.data, "data")
+    splits = build_data(cfg)
     model = build_model(cfg, splits, torch.device("cpu"))
+    task = build_task(cfg, splits)
     images, labels = splits.train.images[:8].float(), splits.train.labels[:8]
     with FlopCounterMode(display=False) as counter:
-        F.cross_entropy(model(images), labels).backward()
+        task.loss(model(images), labels).backward()
     return counter.get_total_flops() / len(images)
 
 
@@ -232,7 +230,7 @@ def main() -> int:
                 rows += group
                 across.append((model, amp, len(set().union(*(r["strict_weights"] for r in group)))))
 
-    from repro.trace import environment
+    from repro.fingerprint import environment
 
     flops = {model: flops_per_image(MODELS[model]) for model in args.models}
     for r in rows:

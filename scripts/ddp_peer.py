@@ -25,19 +25,25 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+
+from repro.build import (
+    Precision,
+    build_data,
+    build_loader,
+    build_model,
+    build_optimizer,
+    build_schedule,
+    build_task,
+)
+from repro.config import compose
+from repro.data import DeviceNormalizer
+from repro.determinism import apply_determinism
+from repro.dist import device_for, launched_world
+from repro.reduction import check_split, share
+from repro.rng import seed_forward
+from repro.trace import state_dict_sha256
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-
-from repro.config import compose  # noqa: E402
-from repro.data import DeviceNormalizer, make_train_loader  # noqa: E402
-from repro.determinism import apply_determinism  # noqa: E402
-from repro.dist import device_for, launched_world  # noqa: E402
-from repro.loop import build_model, build_optimizer, build_schedule, instantiate_group  # noqa: E402
-from repro.reduction import check_split, share  # noqa: E402
-from repro.rng import seed_forward  # noqa: E402
-from repro.trace import state_dict_sha256  # noqa: E402
 
 
 def main() -> None:
@@ -47,7 +53,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("overrides", nargs="*", help="train.py overrides (after --)")
     args = p.parse_args()
-    cfg = compose(args.overrides, ROOT / "conf")
+    # the schedule of train.py for these steps
+    cfg = compose([*args.overrides, f"trainer.max_steps={args.steps}"], ROOT / "conf")
     world = launched_world()
     device = device_for(str(cfg.device), world)
     if device.type == "cuda":
@@ -63,25 +70,17 @@ def main() -> None:
     k = int(t.batch_size) // int(t.micro_batch_size)
     check_split(k, world)
     first, count = share(k, world)
-    splits = instantiate_group(cfg.data, "data")
+    splits = build_data(cfg)
     model = build_model(cfg, splits, device)
+    task = build_task(cfg, splits)
     ddp = torch.nn.parallel.DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None
     )
-    optimizer = build_optimizer(model, cfg.optim)
-    schedule = build_schedule(optimizer, cfg.optim, args.steps)  # train.py's, for these steps
-    loader = make_train_loader(
-        splits,
-        int(cfg.seed),
-        int(t.batch_size),
-        int(t.micro_batch_size),
-        cfg.loader,
-        pin_memory=bool(cfg.loader.pin_memory) and device.type == "cuda",
-        shard=(first, count),
-        device=device,
-    )
+    optimizer = build_optimizer(cfg, model)
+    schedule = build_schedule(cfg, optimizer)
+    loader = build_loader(cfg, splits, device, shard=(first, count))
     normalize = DeviceNormalizer(splits, device)
-    amp = torch.bfloat16 if str(cfg.amp.dtype) == "bfloat16" else torch.float16
+    precision = Precision(cfg.amp, device)
     batches = iter(loader)
     warm, marks = 10, {}
     for step in range(args.steps):
@@ -90,9 +89,9 @@ def main() -> None:
             seed_forward(device, int(cfg.seed), step, first + j)
             sync = contextlib.nullcontext() if j == count - 1 else ddp.no_sync()
             with sync:
-                with torch.autocast(device.type, dtype=amp, enabled=bool(cfg.amp.enabled)):
+                with precision.autocast():
                     logits = ddp(images)
-                loss = F.cross_entropy(logits.float(), labels, reduction="sum")
+                loss = task.loss(logits, labels)  # summed over the micro-batch, as train.py's
                 (loss * world.size / int(t.batch_size)).backward()
         optimizer.step()
         schedule.step()

@@ -25,10 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-
-from _results import (  # noqa: E402
+from _results import (
     command_line,
     environment_line,
     run_checked,
@@ -36,6 +33,8 @@ from _results import (  # noqa: E402
     today,
     write_results,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def launch(run_dir: Path, world_size: int, reduction: str, steps: int, extra: list[str]) -> dict:

@@ -23,10 +23,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+from _results import command_line, environment_line, today, write_results
 
-from _results import command_line, environment_line, today, write_results  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def train(run_dir: Path, mode: str, args: argparse.Namespace) -> dict:

@@ -25,21 +25,14 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from repro.build import build_data, build_model, build_optimizer, build_schedule, build_task
+from repro.config import compose
+from repro.data import DeviceNormalizer, random_crop_flip
+from repro.trace import state_dict_sha256
 
-from repro.config import compose  # noqa: E402
-from repro.data import DeviceNormalizer, random_crop_flip  # noqa: E402
-from repro.loop import (  # noqa: E402
-    build_model,
-    build_optimizer,
-    build_schedule,
-    instantiate_group,
-)
-from repro.trace import state_dict_sha256  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 try:
     import lightning as L
@@ -76,15 +69,17 @@ def main() -> None:
     args = p.parse_args()
     if not 0 < args.warmup < args.steps:
         p.error("need 0 < --warmup < --steps")
-    cfg = compose(args.overrides, ROOT / "conf")
+    # the schedule of train.py for these steps
+    cfg = compose([*args.overrides, f"trainer.max_steps={args.steps}"], ROOT / "conf")
     cuda = str(cfg.device) != "cpu" and torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     t = cfg.trainer
     k = int(t.batch_size) // int(t.micro_batch_size)
 
     L.seed_everything(int(cfg.seed), workers=True)
-    splits = instantiate_group(cfg.data, "data")
+    splits = build_data(cfg)
     model = build_model(cfg, splits, torch.device("cpu"))
+    task = build_task(cfg, splits)
     workers = int(cfg.loader.num_workers)
     loader = DataLoader(
         Augmented(splits.train, splits.augment),
@@ -107,7 +102,7 @@ def main() -> None:
             if self.normalize is None:
                 self.normalize = DeviceNormalizer(splits, self.device)
             images, labels = self.normalize(*batch)
-            return F.cross_entropy(self.model(images).float(), labels)
+            return task.loss(self.model(images), labels) / len(labels)  # the mean
 
         def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
             step = self.trainer.global_step
@@ -117,8 +112,8 @@ def main() -> None:
                 marks[step] = time.perf_counter()
 
         def configure_optimizers(self):
-            optimizer = build_optimizer(self.model, cfg.optim)
-            schedule = build_schedule(optimizer, cfg.optim, args.steps)
+            optimizer = build_optimizer(cfg, self.model)
+            schedule = build_schedule(cfg, optimizer)
             return {
                 "optimizer": optimizer,
                 "lr_scheduler": {"scheduler": schedule, "interval": "step"},

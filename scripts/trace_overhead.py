@@ -16,18 +16,16 @@ from __future__ import annotations
 import argparse
 import logging
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
+from _results import command_line, environment_line, today, write_results
+
+from repro.config import compose
+from repro.determinism import pin_process_environment
+from repro.loop import train
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-
-from _results import command_line, environment_line, today, write_results  # noqa: E402
-
-from repro.config import compose  # noqa: E402
-from repro.determinism import pin_process_environment  # noqa: E402
-from repro.loop import train  # noqa: E402
 
 
 def main() -> int:

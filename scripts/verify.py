@@ -19,11 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))  # runnable without installing too
+from repro.compare import compare_dirs
+from repro.errors import ReproError
 
-from repro.compare import compare_dirs  # noqa: E402
-from repro.errors import ReproError  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # (name, extra overrides) of each run; each pair in CHECKS must be bit-identical
 RUNS = [

@@ -26,20 +26,24 @@ def test_defaults_are_as_documented():
         "amp": "off",
         "model": "convnet",
         "data": "synthetic",
+        "task": "classification",
         "optim": "sgd",
+        "schedule": "cosine",
         "trainer": "default",
     }
     assert str(c.determinism.mode) == "strict"
     assert c.loader.num_workers == 2 and c.loader.pin_memory and c.amp.enabled is False
     assert c.model._target_ == "repro.models.ConvNet" and c.data._target_ == "repro.data.synthetic"
-    assert str(c.optim.name) == "sgd" and c.seed == 0
+    assert c.optim._target_ == "torch.optim.SGD" and c.optim._partial_ and c.optim.foreach
+    assert c.task._target_ == "repro.tasks.Classification" and c.seed == 0
     for group, option in choices.items():
         assert (CONF_DIR / group / f"{option}.yaml").is_file()
     validate(c)
 
 
 @pytest.mark.parametrize(
-    "group", ["determinism", "loader", "amp", "model", "data", "optim", "trainer"]
+    "group",
+    ["determinism", "loader", "amp", "model", "data", "task", "optim", "schedule", "trainer"],
 )
 def test_every_option_of_every_group_composes(group):
     for option in sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")):

@@ -96,7 +96,7 @@ def _batches(loader, n):
     ids=["2-workers", "2-persistent-prefetch-1", "8-workers-prefetch-4", "3-persistent"],
 )
 def test_loader_output_does_not_depend_on_worker_count(workers, persistent, prefetch):
-    """DESIGN.md's loader promise: 0, 2 or 8 workers, prefetch, persistent workers."""
+    """The loader promise (docs/design.md): 0, 2 or 8 workers, prefetch, persistent workers."""
     d = small()
     single = _batches(make_train_loader(d, 0, 32, 16, _Loader(), pin_memory=False), 20)
     multi_cfg = _Loader()

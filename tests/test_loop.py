@@ -3,9 +3,14 @@
 import torch
 from omegaconf import OmegaConf
 
+from repro.build import Precision, Training, build_model
 from repro.data import synthetic
-from repro.loop import build_model, build_schedule, train_step, tree_reduce
 from repro.models import ConvNet
+from repro.reduction import tree_reduce
+from repro.running_stats import RunningStats
+from repro.schedules import warmup_cosine
+from repro.step import train_step
+from repro.tasks import Classification
 
 
 def shape(k: int) -> str:
@@ -36,23 +41,24 @@ def _step(model, k, step=0, seed=0, same_inputs=False):
     y = torch.arange(8) % 10
     mb = [(x[i : i + 8 // k], y[i : i + 8 // k]) for i in range(0, 8, 8 // k)]
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    amp = OmegaConf.create({"enabled": False, "dtype": "bfloat16"})
+    training = Training(
+        model=model,
+        task=Classification(),
+        optimizer=opt,
+        schedule=warmup_cosine(opt, max_steps=10),
+        precision=Precision(amp, torch.device("cpu")),
+        running_stats=RunningStats(model),
+        seed=seed,
+        batch_size=8,
+    )
     seen = {}
 
     def grab(*_):
         seen.update({n: p.grad.clone() for n, p in model.named_parameters()})
 
     opt.register_step_pre_hook(grab)
-    loss, norm = train_step(
-        model,
-        opt,
-        scaler,
-        mb,
-        step=step,
-        seed=seed,
-        batch_size=8,
-        autocast=lambda: torch.autocast("cpu", enabled=False),
-    )
+    loss, norm = train_step(training, mb, step)
     return loss, norm, seen
 
 
@@ -102,8 +108,7 @@ def test_model_init_is_keyed_by_seed_and_ignores_the_global_rng():
 def test_cosine_schedule_with_warmup():
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([p], lr=1.0)
-    o = OmegaConf.create({"warmup_steps": 2, "schedule": "cosine"})
-    sched = build_schedule(opt, o, max_steps=6)
+    sched = warmup_cosine(opt, max_steps=6, warmup_steps=2)
     lrs = []
     for _ in range(6):
         lrs.append(sched.get_last_lr()[0])

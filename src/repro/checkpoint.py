@@ -1,4 +1,4 @@
-"""Checkpoints (DESIGN.md, principle 6): atomic, checksummed, rotated, loaded safely.
+"""Checkpoints (docs/design.md, principle 6): atomic, checksummed, rotated, loaded safely.
 
 A checkpoint is a ``torch.save`` file plus a ``sha256sum``-style sidecar
 (``step-00000200.pt.sha256``, checkable with ``sha256sum -c``). The file is written through a
@@ -13,22 +13,30 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import os
 import pickle
 import re
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
 
 from repro.config import flatten
 from repro.errors import CheckpointError
+from repro.rng import global_rng_states, set_global_rng_states
 
+if TYPE_CHECKING:
+    from repro.build import Training
+
+CHECKPOINT_FORMAT = "repro.checkpoint.v1"
 CHECKPOINT_DIR = "checkpoints"
 LAST_GOOD = "last_good"  # names the newest checkpoint read back and verified after writing
 _NAME = re.compile(r"step-(\d{8})\.pt")
+log = logging.getLogger("repro")
 
 
 def atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> None:
@@ -184,7 +192,9 @@ RELEVANT_CONFIG = (
     "seed",
     "model",
     "data",
+    "task",
     "optim",
+    "schedule",
     "amp",
     "determinism",
     "trainer.batch_size",
@@ -196,9 +206,12 @@ RELEVANT_CONFIG = (
 ABSENT_MEANS = {"dist.reduction": "ordered"}
 # Relevant-looking keys that cannot change the bits of a resumed run: the NCCL settings only
 # matter to dist.reduction=all_reduce, which is compared itself; filling new tensors with
-# NaN only changes memory that no op reads (strict turned it off after issue 6's profile).
+# NaN only changes memory that no op reads (strict mode leaves it off: it costs a kernel a
+# tensor and changes no bit).
 NOT_COMPARED = ("determinism.nccl_env", "determinism.fill_uninitialized_memory")
 RELEVANT_ENVIRONMENT = ("torch", "cuda", "cudnn", "gpu", "gpu_sm_count")
+# Where the CPU computes the step, the kernels it dispatches to decide the bits too.
+RELEVANT_ON_CPU = ("cpu_capability", "cpu_isa", "cpu_dispatch_limits")
 
 
 def mismatches(
@@ -220,7 +233,8 @@ def mismatches(
     if written_on != torch.device(device).type:
         out.append(f"device: {written_on} (checkpoint) vs {torch.device(device).type} (now)")
     old_env = state.get("environment") or {}
-    for key in RELEVANT_ENVIRONMENT:
+    relevant = RELEVANT_ENVIRONMENT + (RELEVANT_ON_CPU if written_on == "cpu" else ())
+    for key in relevant:
         a, b = old_env.get(key), environment.get(key)
         if a != b:
             out.append(f"environment.{key}: {a} (checkpoint) vs {b} (now)")
@@ -252,3 +266,82 @@ def find_resume_point(
         f"{source / CHECKPOINT_DIR}: no usable checkpoint ({'; '.join(problems)}); start a new "
         "run (another hydra.run.dir) or restore a checkpoint from a backup."
     )
+
+
+@dataclass
+class RunIdentity:
+    """What a checkpoint records and a resume must match: the resolved config and its hash,
+    the environment (:func:`repro.fingerprint.environment` plus the world size) and the
+    device type the run trains on."""
+
+    config: dict[str, Any]
+    config_hash: str
+    environment: dict[str, Any]
+    device: str
+
+
+class Checkpointer:
+    """Writes a run's checkpoints (``checkpoints/step-N.pt`` + sidecar): everything a resume
+    needs to continue with the uninterrupted run's bits, then a read-back check
+    (:func:`mark_good`) and rotation to the newest ``keep``."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        training: Training,
+        identity: RunIdentity,
+        keep: int,
+        steps_per_epoch: int,
+        resumes: list[dict[str, Any]],
+    ) -> None:
+        self.run_dir, self.training, self.identity = Path(run_dir), training, identity
+        self.keep, self.steps_per_epoch, self.resumes = keep, steps_per_epoch, resumes
+        self.last_saved: int | None = None
+
+    def save(self, step: int, logs: Any) -> Path:
+        """Flush ``logs`` (a :class:`repro.logs.TrainingLog`) first, so that the logs on
+        disk cover every step the checkpoint does; its ``last`` values (the latest loss and
+        metrics) go into the checkpoint."""
+        logs.flush(wait=True)
+        t, ident = self.training, self.identity
+        path = checkpoint_path(self.run_dir, step)
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "model": t.model.state_dict(),
+            "optimizer": t.optimizer.state_dict(),
+            "schedule": t.schedule.state_dict(),
+            "scaler": t.precision.scaler.state_dict(),
+            "step": step,
+            "device": ident.device,
+            "last": logs.last,
+            "epoch": step // self.steps_per_epoch,
+            "position_in_epoch": step % self.steps_per_epoch,
+            "rng": global_rng_states(),
+            "config": ident.config,
+            "config_hash": ident.config_hash,
+            "environment": ident.environment,
+            "resumes": self.resumes,
+        }
+        save_checkpoint(path, state)
+        if not mark_good(path):
+            log.warning(f"{path}: did not verify when read back; keeping the last good one")
+        rotate(self.run_dir, self.keep)
+        self.last_saved = step
+        return path
+
+
+def restore_training(training: Training, state: dict[str, Any], path: Path) -> None:
+    """Load a checkpoint's model, optimizer, schedule, GradScaler and global RNG states; one
+    line naming the file when it does not fit this run."""
+    try:
+        training.model.load_state_dict(state["model"])
+        training.optimizer.load_state_dict(state["optimizer"])
+        training.schedule.load_state_dict(state["schedule"])
+        training.precision.scaler.load_state_dict(state["scaler"])
+        set_global_rng_states(state["rng"])
+    except (KeyError, RuntimeError, ValueError, TypeError) as err:
+        first_line = (str(err).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(
+            f"{path}: cannot be restored into this run ({type(err).__name__}: "
+            f"{first_line}); resume with the settings it was written with."
+        ) from None

@@ -33,7 +33,7 @@ def cmd_digest(args: argparse.Namespace) -> int:
 
 def cmd_env(args: argparse.Namespace) -> int:
     """Print the environment fingerprint as JSON."""
-    from repro.trace import environment
+    from repro.fingerprint import environment
 
     print(json.dumps(environment(), indent=2))
     return 0

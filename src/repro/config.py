@@ -1,4 +1,4 @@
-"""The config schema (DESIGN.md, principle 5).
+"""The config schema (docs/design.md, principle 5).
 
 Dataclasses stored in Hydra's ``ConfigStore`` sit under the YAML files in ``conf/``: Hydra
 checks types and enum choices while composing (``trainer.max_steps=abc`` and
@@ -40,25 +40,6 @@ class DeterminismMode(StrEnum):
 class AmpDtype(StrEnum):
     bfloat16 = "bfloat16"
     float16 = "float16"
-
-
-class OptimName(StrEnum):
-    sgd = "sgd"
-    adamw = "adamw"
-
-
-class OptimImplementation(StrEnum):
-    """Fused, foreach and for-loop optimizers are each deterministic but not bit-equal to
-    each other, so the choice is pinned in the config rather than left to PyTorch."""
-
-    foreach = "foreach"
-    fused = "fused"
-    for_loop = "for_loop"
-
-
-class Schedule(StrEnum):
-    constant = "constant"
-    cosine = "cosine"
 
 
 class DistBackend(StrEnum):
@@ -115,20 +96,6 @@ class AmpConfig:
 
 
 @dataclass
-class OptimConfig:
-    name: OptimName = OptimName.sgd
-    lr: float = 0.05
-    momentum: float = 0.9
-    nesterov: bool = True
-    weight_decay: float = 5e-4
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    implementation: OptimImplementation = OptimImplementation.foreach
-    schedule: Schedule = Schedule.cosine
-    warmup_steps: int = 20
-
-
-@dataclass
 class TrainerConfig:
     max_steps: int = 300
     batch_size: int = 64
@@ -162,12 +129,15 @@ class TrainConfig:
     determinism: DeterminismConfig = field(default_factory=DeterminismConfig)
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     amp: AmpConfig = field(default_factory=AmpConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
-    # Models and datasets arrive by ``_target_``: any keys, checked in validate().
+    # Everything swappable arrives by ``_target_``: any keys, checked against the target's
+    # signature in validate() (TARGET_GROUPS).
     model: Any = MISSING
     data: Any = MISSING
+    task: Any = MISSING
+    optim: Any = MISSING  # a _partial_ optimizer (torch.optim.SGD ...), called with the params
+    schedule: Any = MISSING  # a _partial_ schedule, called with the optimizer
 
 
 def register_configs() -> None:
@@ -217,7 +187,21 @@ def validate(cfg: DictConfig) -> None:
                 raise ConfigError(
                     f"config error: {key} is required (??? in the config); set {key}=..."
                 )
-    t, ld, d = cfg.trainer, cfg.loader, cfg.determinism
+    _validate_run(cfg)
+    _validate_trainer(cfg.trainer)
+    _validate_loader_and_determinism(cfg.loader, cfg.determinism)
+    for group in TARGET_GROUPS:
+        _validate_target(cfg, group)
+    _validate_optim(cfg.optim)
+    if cfg.schedule.get("warmup_steps", 0) < 0:
+        _fail("schedule.warmup_steps", cfg.schedule.warmup_steps, "an integer >= 0")
+    if "path" in cfg.data and not Path(str(cfg.data.path)).expanduser().exists():
+        raise ConfigError(
+            f"config error: data.path={cfg.data.path!r} does not exist; point it at your data."
+        )
+
+
+def _validate_run(cfg: DictConfig) -> None:
     if cfg.seed < 0 or cfg.seed >= 2**63:
         _fail("seed", cfg.seed, "an integer in [0, 2**63)")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(cfg.device)):
@@ -227,14 +211,13 @@ def validate(cfg: DictConfig) -> None:
             f"config error: device={cfg.device} but no CUDA device is available; "
             "use device=auto or device=cpu."
         )
-    for key in (
-        "max_steps",
-        "batch_size",
-        "micro_batch_size",
-        "eval_every",
-        "eval_batch_size",
-        "log_every",
-    ):
+    if cfg.dist.timeout_s < 1:
+        _fail("dist.timeout_s", cfg.dist.timeout_s, "an integer >= 1 (seconds)")
+
+
+def _validate_trainer(t: DictConfig) -> None:
+    positive = ("max_steps", "batch_size", "micro_batch_size", "eval_every", "eval_batch_size")
+    for key in (*positive, "log_every"):
         if t[key] < 1:
             _fail(f"trainer.{key}", t[key], "an integer >= 1")
     if t.checkpoint_every < 0:
@@ -243,13 +226,10 @@ def validate(cfg: DictConfig) -> None:
         )
     if t.keep_checkpoints < 1:
         _fail("trainer.keep_checkpoints", t.keep_checkpoints, "an integer >= 1")
-    if (
-        t.resume is not None
-        and t.resume != "auto"
-        and not Path(str(t.resume)).expanduser().exists()
-    ):
+    resume = t.resume
+    if resume is not None and resume != "auto" and not Path(str(resume)).expanduser().exists():
         raise ConfigError(
-            f"config error: trainer.resume={t.resume!r}: no such checkpoint file or run "
+            f"config error: trainer.resume={resume!r}: no such checkpoint file or run "
             "directory; give one, or trainer.resume=auto to resume this run directory."
         )
     if t.trace_every < 0:
@@ -260,8 +240,9 @@ def validate(cfg: DictConfig) -> None:
             f"trainer.micro_batch_size={t.micro_batch_size}; choose a batch size that is a "
             "multiple of the micro-batch size (a step is K equal micro-batches)."
         )
-    if cfg.dist.timeout_s < 1:
-        _fail("dist.timeout_s", cfg.dist.timeout_s, "an integer >= 1 (seconds)")
+
+
+def _validate_loader_and_determinism(ld: DictConfig, d: DictConfig) -> None:
     for name in d.nccl_env:
         if not str(name).startswith("NCCL_"):
             _fail("determinism.nccl_env", name, "names of NCCL_* environment variables")
@@ -289,40 +270,60 @@ def validate(cfg: DictConfig) -> None:
         _fail(
             "determinism.cublas_workspace_config", d.cublas_workspace_config, "':4096:8' or ':16:8'"
         )
-    o = cfg.optim
-    if not o.lr > 0:
-        _fail("optim.lr", o.lr, "a number > 0")
-    if o.weight_decay < 0:
-        _fail("optim.weight_decay", o.weight_decay, "a number >= 0")
-    if not 0 <= o.momentum < 1:
-        _fail("optim.momentum", o.momentum, "a number in [0, 1)")
-    if o.nesterov and o.momentum == 0:
-        _fail("optim.nesterov", True, "false when optim.momentum=0 (Nesterov needs momentum)")
-    if o.warmup_steps < 0:
-        _fail("optim.warmup_steps", o.warmup_steps, "an integer >= 0")
-    for group in ("model", "data"):
-        node = cfg.get(group)
-        if not isinstance(node, DictConfig) or "_target_" not in node:
-            raise ConfigError(
-                f"config error: {group} has no _target_; pick a preset ({group}=...) or give "
-                f"{group}._target_=package.module.Factory."
-            )
-        try:
-            target = locate(node._target_)
-        except Exception as err:
-            raise ConfigError(
-                f"config error: {group}._target_={node._target_!r} cannot be imported "
-                f"({type(err).__name__}); check the dotted path and that its package is installed."
-            ) from None
-        _check_arguments(group, node, target)
-    if "path" in cfg.data and not Path(str(cfg.data.path)).expanduser().exists():
+
+
+# The groups built by ``_target_``, and the keys the run passes them (repro.build) rather
+# than the config: not config keys, so not listed as allowed ones.
+TARGET_GROUPS = {
+    "model": {"num_classes", "in_channels"},
+    "data": set(),
+    "task": {"num_classes"},
+    "optim": {"params"},  # _partial_: called with the model's parameters
+    "schedule": {"optimizer", "max_steps"},  # _partial_: called with the optimizer
+}
+# Fused, foreach and for-loop optimizers are each deterministic but not bit-equal, and
+# PyTorch's default choice depends on the device: the config states it.
+IMPLEMENTATION_KEYS = ("foreach", "fused")
+
+
+def _validate_target(cfg: DictConfig, group: str) -> None:
+    node = cfg.get(group)
+    if not isinstance(node, DictConfig) or "_target_" not in node:
         raise ConfigError(
-            f"config error: data.path={cfg.data.path!r} does not exist; point it at your data."
+            f"config error: {group} has no _target_; pick a preset ({group}=...) or give "
+            f"{group}._target_=package.module.Factory."
         )
+    try:
+        target = locate(node._target_)
+    except Exception as err:
+        raise ConfigError(
+            f"config error: {group}._target_={node._target_!r} cannot be imported "
+            f"({type(err).__name__}); check the dotted path and that its package is installed."
+        ) from None
+    _check_arguments(group, node, target)
 
 
-# filled in by the loop from the dataset, never from the config
-_INJECTED = {"model": {"num_classes", "in_channels"}, "data": set()}
+def _validate_optim(o: DictConfig) -> None:
+    if "lr" in o and not o.lr > 0:
+        _fail("optim.lr", o.lr, "a number > 0")
+    if o.get("weight_decay", 0) < 0:
+        _fail("optim.weight_decay", o.weight_decay, "a number >= 0")
+    if not 0 <= o.get("momentum", 0) < 1:
+        _fail("optim.momentum", o.momentum, "a number in [0, 1)")
+    if o.get("nesterov") and o.get("momentum", 0) == 0:
+        _fail("optim.nesterov", True, "false when optim.momentum=0 (Nesterov needs momentum)")
+    try:
+        params = inspect.signature(locate(o._target_)).parameters
+    except (TypeError, ValueError):
+        return
+    if any(k in params for k in IMPLEMENTATION_KEYS) and all(
+        o.get(k) is None for k in IMPLEMENTATION_KEYS
+    ):
+        raise ConfigError(
+            f"config error: optim ({o._target_}) does not pin its implementation; set "
+            "optim.foreach=true, optim.fused=true or optim.foreach=false (the for-loop): they "
+            "are not bit-equal, and PyTorch's default depends on the device."
+        )
 
 
 def _check_arguments(group: str, node: DictConfig, target: Any) -> None:
@@ -339,14 +340,36 @@ def _check_arguments(group: str, node: DictConfig, target: Any) -> None:
         if key.startswith("_"):
             continue
         if key not in params and not takes_kwargs:
-            allowed = ", ".join(k for k in params if k not in _INJECTED[group]) or "none"
+            allowed = ", ".join(k for k in params if k not in TARGET_GROUPS[group]) or "none"
             raise ConfigError(
                 f"config error: {group}.{key} is not an argument of {node._target_}; allowed: {allowed}."
             )
-        if key in hints and hints[key] in (int, float, bool, str):
-            ok, phrase = _accepts(hints[key], value)
+        hint = _checkable(hints.get(key))
+        if hint is not None:
+            ok, phrase = _accepts(hint, value)
             if not ok:
                 _fail(f"{group}.{key}", value, phrase)
+
+
+_SIMPLE = (int, float, bool, str)
+
+
+def _checkable(hint: Any) -> Any:
+    """The part of an annotation a config value can be checked against: a simple type, or an
+    optional one (``float | torch.Tensor`` -> ``float``: a config holds no tensors); None for
+    anything else (lists, unions of several kinds), which is left to the call."""
+    if hint in _SIMPLE:
+        return hint
+    if typing.get_origin(hint) not in (typing.Union, types.UnionType):
+        return None
+    args = typing.get_args(hint)
+    simple = [a for a in args if a in _SIMPLE]
+    others = [a for a in args if a not in _SIMPLE and a is not type(None)]
+    if len(simple) != 1 or not all(
+        isinstance(a, type) and a.__module__.startswith("torch") for a in others
+    ):
+        return None
+    return simple[0] | None if type(None) in args else simple[0]
 
 
 def _field_type(key: str) -> Any:

@@ -1,14 +1,16 @@
-"""The four layers of the defense (DESIGN.md, principle 2) and the determinism report.
+"""The four layers of the defense (docs/design.md, principle 2) and the determinism report.
 
 Applied by the entrypoint, in order, before the model or the loader exists:
 
 0. process environment: ``PYTHONHASHSEED`` and ``CUBLAS_WORKSPACE_CONFIG`` only work when
    they are in place before the interpreter (resp. cuBLAS) starts, so strict mode re-executes
-   the process once when they are missing (:class:`PrepareRunCallback`), then verifies;
+   the process once when they are missing (:func:`pin_process_environment`, called by
+   :class:`repro.callbacks.PrepareRunCallback`), then verifies;
 1. CPU: ``random``, NumPy, torch's CPU generator; intra-op thread count fixed and recorded;
 2. GPU: cuDNN deterministic/benchmark, ``use_deterministic_algorithms``, TF32, CUDA generators;
 3. data: keyed sampler and per-sample augmentation seeds, ``worker_init_fn`` (``repro.data``);
-4. ops: AMP policy, keyed forward randomness, pinned optimizer implementation (``repro.loop``).
+4. ops: AMP policy (``repro.build.Precision``), keyed forward randomness (``repro.step``),
+   pinned optimizer implementation (``conf/optim``).
 
 Layers 3 and 4 are implemented where the data and the step live; the report records them.
 The report says what was set, what was read back and found in effect, and what is not covered.
@@ -25,12 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from repro import dist
-from repro.config import validate
-from repro.errors import ConfigError, DeterminismError, ReproError, exit_with
+from repro.errors import DeterminismError
 from repro.rng import seed_global_rngs
 
 REEXEC_MARKER = "REPRO_REEXECUTED"
@@ -89,55 +89,6 @@ def pin_process_environment(dcfg: DictConfig) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
-
-
-def validate_sweep_jobs(config: DictConfig) -> None:
-    """Compose and validate every job of a sweep the way Hydra's basic sweeper will, so that a
-    bad value in any job stops the sweep before its directory exists or a job has run."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    if not str(config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper"):
-        return  # other sweepers choose their jobs as they go
-    loader = GlobalHydra.instance().config_loader()
-    parser = OverridesParser.create(config_loader=loader)
-    overrides = parser.parse_overrides(list(config.hydra.overrides.task))
-    for batch in BasicSweeper.split_arguments(overrides, None):
-        for job in batch:
-            try:
-                validate(loader.load_sweep_config(config, list(job)))
-            except ConfigError as err:
-                raise ConfigError(f"{err} (in the sweep job {' '.join(job)})") from None
-
-
-class PrepareRunCallback(Callback):
-    """Hydra callback: validate the config (every job's, for a sweep) and pin the process
-    environment before Hydra creates any run or sweep directory, so that a bad value leaves
-    nothing behind."""
-
-    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        try:
-            validate(config)
-            pin_process_environment(config.determinism)
-            # under torchrun: join the process group and agree on one run directory
-            world = dist.init(config.dist, dict(config.determinism.nccl_env), str(config.device))
-            dist.join_hydra_run(config, world)
-        except ReproError as err:
-            exit_with(err)
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        try:
-            if dist.launched_world().distributed:
-                raise ConfigError(
-                    "a sweep (-m) cannot run under torchrun: start one torchrun per job "
-                    "(for s in 0 1 2; do torchrun ... train.py seed=$s; done)."
-                )
-            validate(config)
-            validate_sweep_jobs(config)
-            pin_process_environment(config.determinism)
-        except ReproError as err:
-            exit_with(err)
 
 
 @dataclass
@@ -380,10 +331,14 @@ def _layer4_ops(report: DeterminismReport, cfg: DictConfig, device: torch.device
     report.add(
         name, "micro-batches per step", k, note="gradients summed by a fixed binary tree over k"
     )
+    o = cfg.optim
+    implementation = (
+        "fused" if o.get("fused") else {True: "foreach", False: "for_loop"}.get(o.get("foreach"))
+    )
     report.add(
         name,
         "optimizer implementation",
-        f"{cfg.optim.name} / {cfg.optim.implementation}",
+        f"{str(o._target_).rsplit('.', 1)[-1]} / {implementation or 'not pinned'}",
         note="pinned: fused, foreach and for-loop differ in the last bits",
     )
 

@@ -27,21 +27,19 @@ import hashlib
 import os
 import warnings
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from repro.build import Precision, build_data, build_model, build_task, resolve_device
 from repro.data import DataSplits, DeviceNormalizer, make_train_loader
-from repro.loop import build_model, instantiate_group, resolve_device
 from repro.rng import seed_forward, seed_global_rngs
 from repro.trace import tensor_bytes
 
-LOSS = "(loss: cross_entropy)"
+LOSS = "(the task's loss)"
 NONDETERMINISTIC = "does not have a deterministic implementation"
 
 
@@ -248,6 +246,7 @@ def _repeat(
     labels: torch.Tensor,
     seed: int,
     autocast: Callable,
+    loss_fn: Callable,
     keep: bool,
 ) -> tuple[Probe, str]:
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -257,7 +256,7 @@ def _repeat(
         seed_forward(images.device, seed, 0, 0)
         with autocast():
             logits = model(images)
-        loss = F.cross_entropy(logits.float(), labels)
+        loss = loss_fn(logits, labels)
         loss.backward()
         probe.finish()
     finally:
@@ -347,10 +346,10 @@ def _op_errors(probe: Probe, autocast: Callable, notes: list[str]) -> list[Findi
     return findings
 
 
-def _loss_op_error(logits: torch.Tensor, labels: torch.Tensor) -> Finding | None:
-    x = logits.detach().float().clone().requires_grad_(True)
+def _loss_op_error(logits: torch.Tensor, labels: torch.Tensor, loss_fn: Callable) -> Finding | None:
+    x = logits.detach().clone().requires_grad_(True)
     try:
-        F.cross_entropy(x, labels).backward()
+        loss_fn(x, labels).backward()
     except RuntimeError as err:
         if NONDETERMINISTIC in str(err):
             op = str(err).split(NONDETERMINISTIC)[0].strip()
@@ -385,16 +384,12 @@ def run_doctor(cfg: DictConfig, repeats: int = 4, log: Callable[[str], None] = p
     device = resolve_device(str(cfg.device))
     seed = int(cfg.seed)
     seed_global_rngs(seed)
-    splits: DataSplits = instantiate_group(cfg.data, "data")
+    splits = build_data(cfg)
     model = build_model(cfg, splits, device)
     model.train()
+    loss_fn = build_task(cfg, splits).loss
     images, labels = first_batch(cfg, splits, device)
-    amp_dtype = torch.float16 if str(cfg.amp.dtype) == "float16" else torch.bfloat16
-
-    def autocast():
-        if not cfg.amp.enabled:
-            return nullcontext()
-        return torch.autocast(device.type, dtype=amp_dtype)
+    autocast = Precision(cfg.amp, device).autocast
 
     n_modules = sum(1 for _ in model.modules())
     saved = (
@@ -409,7 +404,8 @@ def run_doctor(cfg: DictConfig, repeats: int = 4, log: Callable[[str], None] = p
         log(f"fast mode: {repeats} repeats of forward + backward with hooks on {n_modules} modules")
         set_flags(strict=False)
         fast = [
-            _repeat(model, images, labels, seed, autocast, keep=(r == 0)) for r in range(repeats)
+            _repeat(model, images, labels, seed, autocast, loss_fn, keep=(r == 0))
+            for r in range(repeats)
         ]
         fast_findings = _culprits([p for p, _ in fast])
         if len({loss for _, loss in fast}) > 1 and not fast_findings:
@@ -422,7 +418,7 @@ def run_doctor(cfg: DictConfig, repeats: int = 4, log: Callable[[str], None] = p
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
         probe0 = fast[0][0]
         op_findings = _op_errors(probe0, autocast, notes)
-        loss_err = _loss_op_error(logits, labels)
+        loss_err = _loss_op_error(logits, labels, loss_fn)
         if loss_err:
             op_findings.append(loss_err)
 
@@ -431,7 +427,8 @@ def run_doctor(cfg: DictConfig, repeats: int = 4, log: Callable[[str], None] = p
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             strict = [
-                _repeat(model, images, labels, seed, autocast, keep=False) for _ in range(repeats)
+                _repeat(model, images, labels, seed, autocast, loss_fn, keep=False)
+                for _ in range(repeats)
             ]
         strict_findings = _culprits([p for p, _ in strict])
         if len({loss for _, loss in strict}) > 1 and not strict_findings:

@@ -6,6 +6,8 @@ import os
 import sys
 import time
 
+import torch
+
 
 class Progress:
     def __init__(self, total: int, start: int = 0, enabled: bool = True, width: int = 24) -> None:
@@ -35,3 +37,41 @@ class Progress:
             sys.stderr.write("\n")
             sys.stderr.flush()
             self.line_open = False
+
+
+class Throughput:
+    """Images a second over the whole loop, and steady: from the end of the first steps
+    (at most 10) to the last update, the device synchronised at both marks. Evaluations and
+    checkpoints in between count; the final ones do not."""
+
+    def __init__(self, start: int, max_steps: int, batch_size: int, device: torch.device) -> None:
+        self.start, self.max_steps, self.batch_size, self.device = (
+            start,
+            max_steps,
+            batch_size,
+            device,
+        )
+        self.warm = start + min(10, (max_steps - start) // 2)
+        self.marks: dict[int, float] = {}
+        self.t0 = time.perf_counter()
+        self.seconds: float | None = None
+
+    def tick(self, done: int) -> None:
+        if done in (self.warm, self.max_steps) and done > self.start:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.marks[done] = time.perf_counter()
+
+    def stop(self) -> None:
+        self.seconds = time.perf_counter() - self.t0
+
+    def summary(self) -> dict[str, float | None]:
+        seconds = self.seconds if self.seconds is not None else time.perf_counter() - self.t0
+        steady = None
+        if self.warm in self.marks and self.max_steps in self.marks and self.max_steps > self.warm:
+            span = self.marks[self.max_steps] - self.marks[self.warm]
+            steady = (self.max_steps - self.warm) * self.batch_size / span
+        return {
+            "images_per_second": (self.max_steps - self.start) * self.batch_size / seconds,
+            "steady_images_per_second": steady,
+        }

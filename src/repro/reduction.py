@@ -1,4 +1,4 @@
-"""The fixed-order sum of a step's gradients (DESIGN.md, principle 3).
+"""The fixed-order sum of a step's gradients (docs/design.md, principle 3).
 
 A step is K micro-batches; their losses and gradients are summed by one fixed binary tree
 over k (:func:`tree_reduce`, split at the midpoint), whoever computes them. With W processes

@@ -2,12 +2,14 @@
 
 "Which run is right?" has no answer; the distribution over seeds does. For each group of jobs
 that share every override but the seed (``lr=0.1,0.01 seed=0,1,2`` gives two groups), the
-report lists each job (seed, status, final metrics, weights digest), then per metric the mean,
+report lists each job (seed, status, final metrics, weights digest), then per metric -- the
+task's headline first (``val_accuracy`` for classification), its other metrics, the final
+training loss -- the mean,
 the standard deviation, min/max, a 95% confidence interval for the mean (Student t, n - 1
 degrees of freedom), and any seed more than 2 SD from the mean. Jobs that failed or did not
 finish are listed as such, never dropped. Writes ``report.md``, ``report.json`` and, with
 matplotlib installed (``pip install -e '.[report]'``), a figure of every seed's loss and
-accuracy curves with the mean ± SD band.
+headline-metric curves with the mean ± SD band.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from omegaconf import OmegaConf
 from repro.checkpoint import list_checkpoints
 from repro.errors import ReproError
 
-METRICS = ("val_accuracy", "val_loss", "final_loss")
+# The headline and metrics of summaries written before tasks recorded them.
+DEFAULT_METRICS = ("val_accuracy", "val_loss")
 # Overrides that say how a job was run, not what it computes (a resumed job records them).
 RUN_CONTROL = ("trainer.resume", "trainer.resume_force", "trainer.progress")
 
@@ -69,6 +72,13 @@ class Job:
     status: str  # ok | failed | incomplete
     summary: dict[str, Any] = field(default_factory=dict)
     error: str = ""
+
+    @property
+    def metrics(self) -> list[str]:
+        """The task's headline first, its other metrics, then the final training loss."""
+        headline = self.summary.get("headline", DEFAULT_METRICS[0])
+        names = self.summary.get("metric_names", DEFAULT_METRICS)
+        return [headline, *(m for m in names if m != headline), "final_loss"]
 
     @property
     def group(self) -> tuple[str, ...]:
@@ -151,15 +161,16 @@ def outliers(jobs: list[Job], metric: str, stats: dict[str, Any]) -> list[dict[s
     return found
 
 
-def _curves(job: Job) -> tuple[dict[int, float], dict[int, float]]:
-    loss, acc = {}, {}
+def _curves(job: Job, metric: str) -> tuple[dict[int, float], dict[int, float]]:
+    """The training loss per step and ``metric`` per evaluation."""
+    loss, evals = {}, {}
     if (job.dir / "metrics.csv").is_file():
         with open(job.dir / "metrics.csv") as f:
             loss = {int(r["step"]): float(r["loss"]) for r in csv.DictReader(f)}
     if (job.dir / "eval.csv").is_file():
         with open(job.dir / "eval.csv") as f:
-            acc = {int(r["step"]): float(r["val_accuracy"]) for r in csv.DictReader(f)}
-    return loss, acc
+            evals = {int(r["step"]): float(r[metric]) for r in csv.DictReader(f) if r.get(metric)}
+    return loss, evals
 
 
 def build_report(sweep_dir: Path) -> dict[str, Any]:
@@ -170,8 +181,9 @@ def build_report(sweep_dir: Path) -> dict[str, Any]:
     out_groups = []
     for key, members in groups.items():
         ok = [j for j in members if j.status == "ok"]
+        names = (ok or members)[0].metrics  # the group's task: headline first
         metrics = {}
-        for m in METRICS:
+        for m in names:
             values = [j.summary[m] for j in ok if isinstance(j.summary.get(m), (int, float))]
             values = [v for v in values if math.isfinite(v)]
             stats = describe(values)
@@ -186,11 +198,12 @@ def build_report(sweep_dir: Path) -> dict[str, Any]:
                         "seed": j.seed,
                         "status": j.status,
                         "error": j.error,
-                        **{m: j.summary.get(m) for m in (*METRICS, "steps", "weights_sha256")},
+                        **{m: j.summary.get(m) for m in (*names, "steps", "weights_sha256")},
                         "rerun": j.rerun_command(),
                     }
                     for j in members
                 ],
+                "headline": names[0],
                 "metrics": metrics,
                 "distinct_weights": len({j.summary["weights_sha256"] for j in ok}),
             }
@@ -226,16 +239,17 @@ def format_markdown(report: dict[str, Any], figures: dict[int, str]) -> str:
     for i, g in enumerate(report["groups"]):
         title = g["title"] or "all jobs (only the seed varies)"
         lines += ["", f"## {title}", ""]
+        names = list(g["metrics"])
         lines += [
-            "| job | seed | status | val_accuracy | val_loss | final_loss | steps | weights |",
-            "|---|---|---|---|---|---|---|---|",
+            "| job | seed | status | " + " | ".join(names) + " | steps | weights |",
+            "|---|---|---|" + "---|" * len(names) + "---|---|",
         ]
         for j in g["jobs"]:
             status = j["status"] if j["status"] == "ok" else f"**{j['status']}**"
             weights = f"`{j['weights_sha256'][:12]}`" if j["weights_sha256"] else "–"
+            values = " | ".join(_num(j[m]) for m in names)
             lines.append(
-                f"| {j['job']} | {j['seed']} | {status} | {_num(j['val_accuracy'])} | "
-                f"{_num(j['val_loss'])} | {_num(j['final_loss'])} | {_num(j['steps'])} | "
+                f"| {j['job']} | {j['seed']} | {status} | {values} | {_num(j['steps'])} | "
                 f"{weights} |"
             )
         lines.append("")
@@ -274,7 +288,7 @@ def format_markdown(report: dict[str, Any], figures: dict[int, str]) -> str:
 
 
 def plot(report: dict[str, Any], sweep_dir: Path) -> tuple[dict[int, str], str | None]:
-    """One PNG per group: training loss and validation accuracy of every seed, mean ± SD."""
+    """One PNG per group: training loss and the headline metric of every seed, mean ± SD."""
     try:
         import matplotlib
 
@@ -289,8 +303,9 @@ def plot(report: dict[str, Any], sweep_dir: Path) -> tuple[dict[int, str], str |
         if not members:
             continue
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for ax, which, label in ((axes[0], 0, "training loss"), (axes[1], 1, "val accuracy")):
-            curves = [_curves(j)[which] for j in members]
+        headline = g["headline"]
+        for ax, which, label in ((axes[0], 0, "training loss"), (axes[1], 1, headline)):
+            curves = [_curves(j, headline)[which] for j in members]
             for j, c in zip(members, curves, strict=True):
                 style = "o-" if which else "-"  # evaluations are few points
                 ax.plot(

@@ -1,4 +1,4 @@
-"""Keyed randomness (DESIGN.md, principle 1).
+"""Keyed randomness (docs/design.md, principle 1).
 
 Every random draw of the pipeline is a pure function of ``(seed, purpose, counters...)``.
 Nothing is streamed from a global generator, so nothing has to be carried across

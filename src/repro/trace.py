@@ -1,7 +1,7 @@
-"""Fingerprints of a run (DESIGN.md, principle 4): digests of tensors, the per-step trace, the
-environment fingerprint.
+"""The per-step trace of a run (docs/design.md, principle 4) and the tensor digests it holds.
 
-Every run writes two of them into its directory:
+Every run writes it into its directory (the environment fingerprint, ``env.json``, is
+:mod:`repro.fingerprint`):
 
 ``trace.jsonl``
     one JSON object per line: ``{"step": 0, "tensors": ..., "weights_sha256": ...}`` for the
@@ -12,44 +12,23 @@ Every run writes two of them into its directory:
     (a SHA-256 per state-dict entry after that step's update), ``weights_sha256`` and
     ``batch`` (the step's input and label digests); the first step always carries ``batch``;
     evaluation steps carry ``eval``; the last step ``"final": true``.
-``env.json``
-    :func:`run_fingerprint`: versions, hardware, the determinism flags read back, the
-    relevant environment variables, the git state, the resolved config and its hash.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import platform
-import re
-import subprocess
-import sys
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from repro.dist import World, all_gather_cpu, check_same
+
 TRACE_FILE = "trace.jsonl"
-ENV_FILE = "env.json"
-# Environment variables that can change the bits or the kernels chosen.
-ENV_VARS = (
-    "PYTHONHASHSEED",
-    "CUBLAS_WORKSPACE_CONFIG",
-    "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
-    "CUDA_VISIBLE_DEVICES",
-    "CUDA_LAUNCH_BLOCKING",
-    "OMP_NUM_THREADS",
-    "MKL_NUM_THREADS",
-    "TORCHINDUCTOR_DETERMINISTIC",
-)
-ENV_PREFIXES = ("NCCL_",)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:
@@ -159,94 +138,6 @@ def state_dict_sha256(state_dict: Mapping[str, Any]) -> str:
     return state_digests(state_dict)[1]
 
 
-def environment() -> dict[str, Any]:
-    """Versions and hardware that decide whether two runs can be bit-equal."""
-    env: dict[str, Any] = {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "cpu": _cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "torch": str(torch.__version__),
-        "numpy": str(np.__version__),
-        "hydra": _version("hydra-core"),
-        "omegaconf": _version("omegaconf"),
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "gpu": None,
-    }
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        env["gpu"] = props.name
-        env["gpu_capability"] = f"{props.major}.{props.minor}"
-        env["gpu_sm_count"] = props.multi_processor_count
-        env["gpu_count"] = torch.cuda.device_count()
-        env["gpu_driver"] = _nvidia_driver()
-    return env
-
-
-def determinism_flags() -> dict[str, Any]:
-    """The flags that decide kernels and threads, as read back from torch (not as requested)."""
-    return {
-        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
-        "fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
-        "cudnn_enabled": torch.backends.cudnn.enabled,
-        "cudnn_deterministic": torch.backends.cudnn.deterministic,
-        "cudnn_benchmark": torch.backends.cudnn.benchmark,
-        "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "intra_op_threads": torch.get_num_threads(),
-        "inter_op_threads": torch.get_num_interop_threads(),
-    }
-
-
-def relevant_env_vars() -> dict[str, str | None]:
-    env: dict[str, str | None] = {k: os.environ.get(k) for k in ENV_VARS}
-    env.update({k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)})
-    return env
-
-
-def git_state(path: Path | None = None) -> dict[str, Any]:
-    """Commit, dirty flag and a hash of the diff of the git checkout holding ``path`` (default:
-    this package's source). Untracked files are not counted: run outputs would be."""
-    where = str(path or Path(__file__).resolve().parent)
-
-    def git(*args: str) -> str | None:
-        try:
-            out = subprocess.run(
-                ["git", "-C", where, *args], capture_output=True, timeout=30, check=True
-            )
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return out.stdout.decode(errors="replace")
-
-    commit = git("rev-parse", "HEAD")
-    if commit is None:
-        return {"commit": None, "dirty": None, "diff_sha256": None, "note": "not a git checkout"}
-    diff = git("diff", "HEAD", "--binary") or ""
-    return {
-        "commit": commit.strip(),
-        "dirty": bool(diff),
-        "diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if diff else None,
-    }
-
-
-def run_fingerprint(
-    config: dict[str, Any], config_hash: str, env: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """``env.json``: everything outside the code's own logic that can change the bits.
-    ``env``: :func:`environment`'s result, when the caller has it already."""
-    return {
-        "environment": env if env is not None else environment(),
-        "flags": determinism_flags(),
-        "env_vars": relevant_env_vars(),
-        "git": git_state(),
-        "config_hash": config_hash,
-        "config": config,
-    }
-
-
 class TraceWriter:
     """Appends records to ``trace.jsonl``, one JSON object per line, flushed per batch."""
 
@@ -262,30 +153,48 @@ class TraceWriter:
         self.file.close()
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
+class StepTracer:
+    """What the trace records of a step besides its loss (run on every rank: under torchrun
+    the ranks gather each other's batch digests and compare their weights' digests).
 
+    Traced steps (the first, every ``trainer.trace_every``-th and the last) get the digests
+    of the step's inputs and labels over all K micro-batches; every ``trace_every``-th and
+    the last step also the state digests after its update (hashed in the background on one
+    process; at once where the ranks compare them, and at the last step)."""
 
-def _cpu_model() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    m = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
-    return m.group(1).strip() if m else platform.processor() or platform.machine()
+    def __init__(self, enabled: bool, every: int, max_steps: int, world: World) -> None:
+        self.enabled, self.every, self.max_steps, self.world = enabled, every, max_steps, world
+        self.background = BackgroundDigests()
+        self.final_weights: str | None = None  # the last step's weights_sha256, when traced
 
+    def _periodic(self, done: int) -> bool:
+        return done == self.max_steps or bool(self.every and done % self.every == 0)
 
-def _nvidia_driver() -> str | None:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.splitlines()[0].strip() if out.returncode == 0 and out.stdout else None
+    def inputs(self, done: int, raw: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+        """``{"batch": {"inputs": ..., "labels": ...}}`` on traced steps (rank 0's only)."""
+        if not (self.enabled and (done == 1 or self._periodic(done))):
+            return {}
+        images = all_gather_cpu(torch.stack([b[0] for b in raw]).cpu(), self.world).flatten(0, 1)
+        labels = all_gather_cpu(torch.stack([b[1] for b in raw]).cpu(), self.world).flatten(0, 1)
+        if not self.world.main:
+            return {"batch": None}
+        return {"batch": {"inputs": tensors_sha256(*images), "labels": tensors_sha256(*labels)}}
+
+    def state(self, done: int, model: torch.nn.Module) -> dict[str, Any]:
+        """The state digests after step ``done`` on digest steps; ``"final": true`` on the
+        last step."""
+        record: dict[str, Any] = {}
+        if self.enabled and self._periodic(done):
+            if self.world.distributed or done == self.max_steps:  # compared, or needed, now
+                record["tensors"], record["weights_sha256"] = state_digests(model.state_dict())
+                check_same(record["weights_sha256"], self.world, "weights", done)
+            else:  # hashed in the background; written (in this place) at a later flush
+                record["tensors"] = self.background.submit(model.state_dict())
+                record["weights_sha256"] = None
+        if done == self.max_steps:
+            record["final"] = True
+            self.final_weights = record.get("weights_sha256")
+        return record
+
+    def close(self) -> None:
+        self.background.close()

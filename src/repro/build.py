@@ -1,0 +1,198 @@
+"""Build what a run trains from the config: data, model, task, optimizer, schedule, precision.
+
+Everything swappable arrives by ``_target_`` (``conf/data``, ``conf/model``, ``conf/task``,
+``conf/optim``, ``conf/schedule``). A target receives its own config keys plus, from what
+the run already knows, only the keys its signature takes (:func:`instantiate_target`):
+
+- ``model``: ``num_classes`` and ``in_channels`` (from the dataset);
+- ``task``: ``num_classes``;
+- ``schedule``: ``max_steps``.
+
+A key the config sets itself is not overridden. A target that takes ``**kwargs`` gets
+``num_classes`` (torchvision's and timm's model constructors take it that way) but not
+``in_channels``, whose name differs between model zoos (timm: ``in_chans``): set it in the
+YAML. So ``model._target_=torchvision.models.resnet18`` is one line.
+
+The loop, ``repro doctor`` and the scripts build through here, never through the loop.
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from torch import nn
+
+from repro.config import locate
+from repro.data import DataSplits, DeviceBatches, make_train_loader
+from repro.dist import World, barrier, device_for
+from repro.errors import ConfigError, ReproError
+from repro.rng import derive_seed
+from repro.running_stats import RunningStats
+from repro.tasks import Task
+
+# Passed into a target's **kwargs when its signature does not name the key.
+THROUGH_KWARGS = {"num_classes"}
+
+
+def accepted(target: Any, available: dict[str, Any], explicit: set[str]) -> dict[str, Any]:
+    """The entries of ``available`` that ``target``'s signature takes and the config does not
+    set itself (see the module docstring)."""
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):  # not introspectable: pass what is not set explicitly
+        return {k: v for k, v in available.items() if k not in explicit}
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return {
+        k: v
+        for k, v in available.items()
+        if k not in explicit and (k in params or (takes_kwargs and k in THROUGH_KWARGS))
+    }
+
+
+def instantiate_target(node: DictConfig, group: str, **available: Any) -> Any:
+    """``hydra.utils.instantiate`` of a ``_target_`` node, with the ``available`` keys its
+    signature accepts; a failure is one line naming the group."""
+    explicit = {str(k) for k in node if not str(k).startswith("_")}
+    try:
+        target = locate(str(node._target_))
+        return instantiate(node, _convert_="all", **accepted(target, available, explicit))
+    except InstantiationException as err:
+        cause = err.__cause__
+        if isinstance(cause, ReproError):
+            raise cause from None
+        detail = f"{type(cause).__name__}: {cause}" if cause else str(err)
+        raise ConfigError(
+            f"{group}._target_={node._target_!r} could not be built ({detail.splitlines()[0]}); "
+            f"check the {group}.* keys against its signature."
+        ) from err
+
+
+def resolve_device(name: str, world: World | None = None) -> torch.device:
+    """``auto`` -> cuda when available, else cpu (``validate`` has checked the others); under
+    torchrun, rank r's GPU is ``cuda:LOCAL_RANK``."""
+    return device_for(name, world or World())
+
+
+def build_data(cfg: DictConfig, world: World | None = None) -> DataSplits:
+    """The dataset; under torchrun rank 0 builds it first (a download, say), then the others
+    read what it left."""
+    world = world or World()
+    if not world.main:
+        barrier(world)
+    data = instantiate_target(cfg.data, "data")
+    if world.main:
+        barrier(world)
+    return data
+
+
+def build_model(cfg: DictConfig, data: DataSplits, device: torch.device) -> nn.Module:
+    """Instantiate ``cfg.model`` on the CPU with the generator keyed by ``(seed, "init")``, so
+    the initial weights are the same on every device, then move it."""
+    with torch.random.fork_rng(devices=[]):  # CPU generator only; restored afterwards
+        torch.default_generator.manual_seed(derive_seed(int(cfg.seed), "init"))
+        model = instantiate_target(
+            cfg.model, "model", num_classes=data.num_classes, in_channels=data.in_channels
+        )
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"model._target_={cfg.model._target_!r} returned a {type(model).__name__}, not a "
+            "torch.nn.Module; point it at a model class or a function that returns one."
+        )
+    return model.to(device)
+
+
+def build_task(cfg: DictConfig, data: DataSplits) -> Task:
+    task = instantiate_target(cfg.task, "task", num_classes=data.num_classes)
+    missing = [m for m in ("loss", "statistics", "metrics") if not callable(getattr(task, m, None))]
+    if missing or not isinstance(getattr(task, "headline", None), str):
+        raise ConfigError(
+            f"task._target_={cfg.task._target_!r} is not a task (it lacks "
+            f"{', '.join(missing) or 'headline'}); subclass repro.tasks.Task."
+        )
+    return task
+
+
+def build_optimizer(cfg: DictConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """``cfg.optim`` is a ``_partial_`` target (``torch.optim.SGD`` ...) called with the
+    trainable parameters."""
+    make = instantiate_target(cfg.optim, "optim")
+    return make(model.parameters())
+
+
+def build_schedule(cfg: DictConfig, optimizer: torch.optim.Optimizer) -> Any:
+    """``cfg.schedule`` is a ``_partial_`` target called with the optimizer."""
+    make = instantiate_target(cfg.schedule, "schedule", max_steps=int(cfg.trainer.max_steps))
+    return make(optimizer)
+
+
+def build_loader(
+    cfg: DictConfig,
+    data: DataSplits,
+    device: torch.device,
+    start_step: int = 0,
+    shard: tuple[int, int] | None = None,
+) -> torch.utils.data.DataLoader | DeviceBatches:
+    """The training micro-batches from global step ``start_step`` on (``cfg.loader``; this
+    rank's ``shard=(first, count)`` of each step under torchrun)."""
+    return make_train_loader(
+        data,
+        int(cfg.seed),
+        int(cfg.trainer.batch_size),
+        int(cfg.trainer.micro_batch_size),
+        cfg.loader,
+        pin_memory=bool(cfg.loader.pin_memory) and device.type == "cuda",
+        start_step=start_step,
+        shard=shard,
+        device=device,
+    )
+
+
+class Precision:
+    """The AMP policy (layer 4): off (fp32), bf16 autocast, or fp16 autocast with a
+    GradScaler (its state is saved in checkpoints)."""
+
+    def __init__(self, amp: DictConfig, device: torch.device) -> None:
+        self.enabled = bool(amp.enabled)
+        self.dtype = torch.float16 if str(amp.dtype) == "float16" else torch.bfloat16
+        self.device_type = device.type
+        fp16 = self.enabled and self.dtype == torch.float16
+        self.scaler = torch.amp.GradScaler(device.type, enabled=fp16)
+
+    def autocast(self) -> AbstractContextManager:
+        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
+
+
+@dataclass
+class Training:
+    """What a step needs, built from the config (:func:`build_training`)."""
+
+    model: nn.Module
+    task: Task
+    optimizer: torch.optim.Optimizer
+    schedule: Any  # a torch.optim.lr_scheduler.LRScheduler
+    precision: Precision
+    running_stats: RunningStats  # BatchNorm buffers, folded in micro-batch order
+    seed: int  # the training seed (forward randomness is keyed by it)
+    batch_size: int  # the global batch B: each micro-batch's summed loss is divided by it
+
+
+def build_training(cfg: DictConfig, data: DataSplits, device: torch.device) -> Training:
+    model = build_model(cfg, data, device)
+    optimizer = build_optimizer(cfg, model)
+    return Training(
+        model=model,
+        task=build_task(cfg, data),
+        optimizer=optimizer,
+        schedule=build_schedule(cfg, optimizer),
+        precision=Precision(cfg.amp, device),
+        running_stats=RunningStats(model),
+        seed=int(cfg.seed),
+        batch_size=int(cfg.trainer.batch_size),
+    )

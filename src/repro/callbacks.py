@@ -1,0 +1,68 @@
+"""Hydra callbacks: what must happen before Hydra creates a run or sweep directory.
+
+``conf/train.yaml`` registers :class:`PrepareRunCallback` under ``hydra.callbacks``: it
+validates the config (every job's, for a sweep), pins the process environment (layer 0 of
+:mod:`repro.determinism`, which may re-execute the process) and, under torchrun, has every
+rank agree on one run directory. A bad value therefore leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from repro import dist
+from repro.config import validate
+from repro.determinism import pin_process_environment
+from repro.errors import ConfigError, ReproError, exit_with
+
+
+def validate_sweep_jobs(config: DictConfig) -> None:
+    """Compose and validate every job of a sweep the way Hydra's basic sweeper will, so that a
+    bad value in any job stops the sweep before its directory exists or a job has run."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if not str(config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper"):
+        return  # other sweepers choose their jobs as they go
+    loader = GlobalHydra.instance().config_loader()
+    parser = OverridesParser.create(config_loader=loader)
+    overrides = parser.parse_overrides(list(config.hydra.overrides.task))
+    for batch in BasicSweeper.split_arguments(overrides, None):
+        for job in batch:
+            try:
+                validate(loader.load_sweep_config(config, list(job)))
+            except ConfigError as err:
+                raise ConfigError(f"{err} (in the sweep job {' '.join(job)})") from None
+
+
+class PrepareRunCallback(Callback):
+    """Hydra callback: validate the config (every job's, for a sweep) and pin the process
+    environment before Hydra creates any run or sweep directory, so that a bad value leaves
+    nothing behind."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            validate(config)
+            pin_process_environment(config.determinism)
+            # under torchrun: join the process group and agree on one run directory
+            world = dist.init(config.dist, dict(config.determinism.nccl_env), str(config.device))
+            dist.join_hydra_run(config, world)
+        except ReproError as err:
+            exit_with(err)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            if dist.launched_world().distributed:
+                raise ConfigError(
+                    "a sweep (-m) cannot run under torchrun: start one torchrun per job "
+                    "(for s in 0 1 2; do torchrun ... train.py seed=$s; done)."
+                )
+            validate(config)
+            validate_sweep_jobs(config)
+            pin_process_environment(config.determinism)
+        except ReproError as err:
+            exit_with(err)

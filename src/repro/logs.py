@@ -1,0 +1,235 @@
+"""What a run logs as it goes: ``metrics.csv`` (a row per step), ``eval.csv`` (a row per
+evaluation), ``trace.jsonl`` (:mod:`repro.trace`) and the console (progress bar, a line per
+evaluation). Only rank 0 logs; the other ranks hold a :class:`NullLog`.
+
+Losses and gradient norms stay on the device until a flush (every ``trainer.log_every``
+steps, at evaluations and before checkpoints), so logging adds no host synchronisation to a
+step. Floats are written with ``repr``, which round-trips them exactly.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import math
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from repro.checkpoint import atomic_write
+from repro.progress import Progress
+from repro.trace import TRACE_FILE, TraceWriter
+
+log = logging.getLogger("repro")
+METRICS_FIELDS = ["step", "epoch", "loss", "grad_norm", "lr"]
+
+
+class CsvLog:
+    """Append rows to a CSV in the run directory; floats as ``repr`` (round-trip exact).
+
+    ``fields=None`` takes the header from the first row written (``write(rows, fields)``).
+    ``resume_at=s`` keeps the rows of steps <= s already there (a resumed run) and appends."""
+
+    def __init__(
+        self, path: Path, fields: list[str] | None = None, resume_at: int | None = None
+    ) -> None:
+        self.path, self.fields, self.file = Path(path), fields, None
+        if resume_at is not None and self.path.is_file():
+            with open(self.path, newline="") as f:
+                rows = list(csv.reader(f))
+            self.fields = self.fields or (rows[0] if rows else None)
+            kept, last = [], 0
+            for r in rows[1:]:  # the clean prefix: complete rows, steps rising, up to resume_at
+                if len(r) != len(self.fields or r) or not r[0].isdigit():
+                    break
+                if not last < int(r[0]) <= resume_at:
+                    break
+                kept.append(r)
+                last = int(r[0])
+            buf = io.StringIO()
+            csv.writer(buf).writerows([self.fields, *kept] if self.fields else [])
+            atomic_write(self.path, lambda f: f.write(buf.getvalue().encode()))
+            self._open("a")
+        elif self.fields is not None:
+            self._open("w", header=True)
+
+    def _open(self, mode: str, header: bool = False) -> None:
+        self.file = open(self.path, mode, newline="")
+        self.writer = csv.writer(self.file)
+        if header:
+            self.writer.writerow(self.fields)
+        self.file.flush()
+
+    def write(self, rows: list[list[Any]], fields: list[str] | None = None) -> None:
+        if self.file is None or not self.fields:
+            self.fields = self.fields or fields
+            self._open("w", header=True)
+        self.writer.writerows([[repr(v) if isinstance(v, float) else v for v in r] for r in rows])
+        self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def keep_trace_prefix(path: Path, step: int) -> int:
+    """Keep the records of steps <= ``step`` of a trace (a resumed run); return the last
+    step kept (less than ``step`` when records are missing)."""
+    kept: list[str] = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                break  # a line cut short by the kill
+            if record.get("step") != len(kept) or record["step"] > step:
+                break
+            kept.append(line + "\n")
+    atomic_write(path, lambda f: f.write("".join(kept).encode()))
+    return len(kept) - 1
+
+
+class TrainingLog:
+    """Rank 0's logs of a run (see the module docstring).
+
+    ``step()`` queues a step's row and trace record (with its evaluation, if any);
+    ``flush()`` writes what is queued (trace records wait for their
+    background state digests unless ``wait``). ``last`` is what the summary and checkpoints
+    report: the latest flushed loss and the latest metrics."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        max_steps: int,
+        steps_per_epoch: int,
+        log_every: int,
+        progress: bool,
+        trace: bool,
+        start: int = 0,
+        resumed: dict[str, Any] | None = None,
+        initial: dict[str, Any] | None = None,
+    ) -> None:
+        """``resumed``: the checkpoint's ``last`` values (a resumed run, from step ``start``);
+        ``initial``: the step-0 trace record of a new run (initial weights' digests)."""
+        at = start if resumed is not None else None
+        self.max_steps, self.steps_per_epoch, self.log_every = max_steps, steps_per_epoch, log_every
+        self.metrics = CsvLog(run_dir / "metrics.csv", METRICS_FIELDS, at)
+        self.evals = CsvLog(run_dir / "eval.csv", None, at)
+        self.trace = self._open_trace(run_dir / TRACE_FILE, trace, at, initial)
+        self.progress = Progress(max_steps, enabled=progress, start=start)
+        last = dict(resumed or {})
+        self.last_loss: float = last.pop("loss", math.nan)
+        self.last_metrics: dict[str, float] = last
+        # (step, loss, grad norm, lr, trace record): tensors on the device until a flush
+        self.pending: list[tuple[int, torch.Tensor, torch.Tensor, float, dict[str, Any]]] = []
+        self.held: list[dict[str, Any]] = []  # trace records whose state digest is hashing
+
+    @staticmethod
+    def _open_trace(
+        path: Path, enabled: bool, resume_at: int | None, initial: dict[str, Any] | None
+    ) -> TraceWriter | None:
+        if resume_at is not None and (enabled or path.is_file()):
+            kept = keep_trace_prefix(path, resume_at)  # no records past the checkpoint
+            if enabled and kept != resume_at:
+                log.warning(f"{TRACE_FILE} held steps up to {kept} only: the trace has a gap")
+        if not enabled:
+            return None
+        if resume_at is not None:
+            return TraceWriter(path, mode="a")
+        trace = TraceWriter(path)
+        trace.write([initial or {"step": 0}])
+        return trace
+
+    @property
+    def last(self) -> dict[str, Any]:
+        return {"loss": self.last_loss, **self.last_metrics}
+
+    def step(
+        self,
+        done: int,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor,
+        lr: float,
+        record: dict[str, Any],
+        evaluation: dict[str, float] | None = None,
+    ) -> None:
+        """Queue step ``done``'s values; write them every ``log_every`` steps, and at once
+        with the step's ``evaluation`` metrics (into its trace record, ``eval.csv`` and a
+        console line)."""
+        self.pending.append((done, loss, grad_norm, lr, record))
+        if evaluation is not None:
+            record["eval"] = evaluation
+            self.last_metrics = dict(evaluation)
+            self.flush()
+            self.evals.write([[done, *evaluation.values()]], ["step", *evaluation])
+            self.progress.close()
+            shown = "  ".join(f"{k} {v:.4f}" for k, v in evaluation.items())
+            log.info(f"step {done}/{self.max_steps}  loss {self.last_loss:.4f}  {shown}")
+        elif done % self.log_every == 0:
+            self.flush()
+            self.progress.update(done, loss=f"{self.last_loss:.4f}")
+
+    def flush(self, wait: bool = False) -> None:
+        """Write the pending steps' metrics rows, and their trace records up to the first one
+        whose state digest the background thread is still hashing (all, with ``wait``)."""
+        if self.pending:
+            values = torch.stack(
+                [torch.stack([loss, norm.float()]) for _, loss, norm, _, _ in self.pending]
+            ).tolist()
+            rows = [
+                [s, (s - 1) // self.steps_per_epoch, v[0], v[1], lr]
+                for (s, _, _, lr, _), v in zip(self.pending, values, strict=True)
+            ]
+            self.metrics.write(rows)
+            if self.trace:
+                self.held.extend(
+                    {"step": s, "epoch": e, "loss": loss, "grad_norm": norm, "lr": lr, **record}
+                    for (s, e, loss, norm, lr), (*_, record) in zip(rows, self.pending, strict=True)
+                )
+            self.last_loss = rows[-1][2]
+            self.pending.clear()
+        ready = 0
+        for record in self.held:
+            digest = record.get("tensors")
+            if isinstance(digest, Future):
+                if not (wait or digest.done()):
+                    break
+                record["tensors"], record["weights_sha256"] = digest.result()
+            ready += 1
+        if self.trace and ready:
+            self.trace.write(self.held[:ready])
+            del self.held[:ready]
+
+    def close(self) -> None:
+        self.progress.close()
+        self.metrics.close()
+        self.evals.close()
+        if self.trace:
+            self.trace.close()
+
+    def __enter__(self) -> TrainingLog:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class NullLog(TrainingLog):
+    """What ranks other than 0 log to: nothing."""
+
+    def __init__(self) -> None:
+        self.last_loss, self.last_metrics = math.nan, {}
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def flush(self, wait: bool = False) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

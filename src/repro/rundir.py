@@ -1,0 +1,133 @@
+"""The run directory: start a new run in it, or find where to resume; refuse what would
+overwrite a run or could not give the uninterrupted run's bits.
+
+Rank 0 decides (:func:`prepare_run_dir`); every rank gets its answer. Nothing is written
+into the directory before the decision, so a refused launch leaves it as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from repro.checkpoint import (
+    CHECKPOINT_DIR,
+    RunIdentity,
+    atomic_write,
+    find_resume_point,
+    mismatches,
+    remove_partial_writes,
+)
+from repro.errors import CheckpointError, ConfigError
+from repro.fingerprint import ENV_FILE
+from repro.trace import TRACE_FILE
+
+log = logging.getLogger("repro")
+SUMMARY_FILE = "summary.json"
+LOG_FILES = (TRACE_FILE, "metrics.csv", "eval.csv", ENV_FILE)
+
+
+@dataclass
+class ResumePoint:
+    path: Path  # the checkpoint
+    state: dict[str, Any] | None  # its contents (let go once restored)
+    forced: list[str]  # differences accepted with trainer.resume_force=true
+    step: int = 0
+    last: dict[str, Any] = field(default_factory=dict)  # the loss and metrics logged last
+    history: list[dict[str, Any]] = field(default_factory=list)  # earlier resumes of the run
+
+    def __post_init__(self) -> None:
+        if self.state is not None:
+            self.step = int(self.state["step"])
+            self.last = dict(self.state.get("last") or {})
+            self.history = list(self.state.get("resumes") or [])
+
+    @property
+    def source_run(self) -> Path:
+        """The run directory the checkpoint belongs to."""
+        folder = self.path.parent
+        return folder.parent if folder.name == CHECKPOINT_DIR else folder
+
+
+def prepare_run_dir(
+    cfg: DictConfig, run_dir: Path, identity: RunIdentity
+) -> tuple[ResumePoint | None, dict[str, Any] | None]:
+    """(where to resume, or None to start at step 0; the summary of a run that is already
+    complete, or None). Raises a one-line error for what cannot be done."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    found = _resume_point(cfg, run_dir, identity)
+    max_steps = int(cfg.trainer.max_steps)
+    if found is not None and found.step > max_steps:
+        raise CheckpointError(
+            f"{found.path} is at step {found.step}, beyond trainer.max_steps={max_steps}."
+        )
+    if found is not None and found.step == max_steps and (run_dir / SUMMARY_FILE).is_file():
+        return found, json.loads((run_dir / SUMMARY_FILE).read_text())
+    return found, None
+
+
+def _resume_point(cfg: DictConfig, run_dir: Path, identity: RunIdentity) -> ResumePoint | None:
+    t = cfg.trainer
+    if t.resume is None:
+        refuse_to_overwrite(run_dir)
+        return None
+    source = run_dir if str(t.resume) == "auto" else Path(str(t.resume)).expanduser()
+    source_run = source.parent if source.is_file() else source
+    if source_run.name == CHECKPOINT_DIR:
+        source_run = source_run.parent
+    if source_run.resolve() != run_dir.resolve():
+        refuse_to_overwrite(run_dir)  # resuming another run writes here: it must be new
+    for leftover in remove_partial_writes(run_dir):
+        log.info(f"resume: removed {leftover.name}, a write interrupted before its rename")
+    found = find_resume_point(source, log.warning)
+    if found is None:
+        if str(t.resume) != "auto":
+            raise CheckpointError(f"{source}: holds no checkpoints/ to resume from.")
+        finished = [n for n in (SUMMARY_FILE, str(t.checkpoint_name)) if (run_dir / n).exists()]
+        if finished:
+            raise CheckpointError(
+                f"{run_dir} holds a run ({', '.join(finished)}) but no checkpoints/ to resume "
+                "from; choose another hydra.run.dir (nothing was overwritten)."
+            )
+        log.info(f"resume=auto: no checkpoint in {run_dir} yet; starting at step 0")
+        return None
+    path, state = found
+    differ = mismatches(state, identity.config, identity.environment, identity.device)
+    if differ and not t.resume_force:
+        raise CheckpointError(
+            f"{path} was written under another configuration or environment, so resuming "
+            "would not give the uninterrupted run's bits; resume with the checkpoint's "
+            "settings, or set trainer.resume_force=true to go on anyway (recorded). "
+            "Differences: " + "; ".join(differ)
+        )
+    for d in differ:
+        log.warning(f"resume_force: {d}")
+    return ResumePoint(path, state, differ)
+
+
+def refuse_to_overwrite(run_dir: Path) -> None:
+    existing = [n for n in (CHECKPOINT_DIR, TRACE_FILE, SUMMARY_FILE) if (run_dir / n).exists()]
+    if existing:
+        raise ConfigError(
+            f"{run_dir} already holds a run ({', '.join(existing)}); resume it with "
+            "trainer.resume=auto, or choose another hydra.run.dir (nothing was overwritten)."
+        )
+
+
+def adopt_logs(source_run: Path, run_dir: Path) -> None:
+    """Resuming from another run's directory: start from its logs."""
+    if source_run.resolve() == run_dir.resolve():
+        return
+    for name in LOG_FILES:
+        if (source_run / name).is_file():
+            shutil.copyfile(source_run / name, run_dir / name)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    atomic_write(path, lambda f: f.write((json.dumps(obj, indent=2) + "\n").encode()))

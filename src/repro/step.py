@@ -1,0 +1,60 @@
+"""One optimizer step (docs/design.md, principle 3): K micro-batches of fixed size whose
+gradients are summed by a fixed binary tree over k (:func:`repro.reduction.tree_reduce`),
+whoever computes them."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from repro.build import Training
+from repro.reduction import Reducer, add_partials, tree_reduce
+from repro.rng import seed_forward
+
+
+def train_step(
+    training: Training,
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    step: int,
+    *,
+    first: int = 0,
+    reducer: Reducer | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over K micro-batches, then one schedule step. Returns (loss, grad
+    norm) as device tensors (no host synchronisation).
+
+    Each micro-batch's loss is the task's summed loss / B, so the tree sum of the K gradients
+    is the gradient of the mean loss over the global batch. Under torchrun this process holds
+    micro-batches ``first, first + 1, ...`` (a whole subtree) and ``reducer`` combines the
+    ranks' partial sums; BatchNorm statistics are folded in afterwards, in micro-batch order
+    (:class:`repro.running_stats.RunningStats`)."""
+    model, scaler, stats = training.model, training.precision.scaler, training.running_stats
+    params = [p for p in model.parameters() if p.requires_grad]
+    device = params[0].device
+    recorded: list[list[torch.Tensor]] = []
+
+    def leaf(k: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        inputs, targets = micro_batches[k - first]
+        seed_forward(device, training.seed, step, k)  # dropout masks keyed by (seed, step, k)
+        with training.precision.autocast(), stats.capture() if stats else nullcontext([]) as bn:
+            outputs = model(inputs)
+        recorded.append(bn)
+        loss = training.task.loss(outputs, targets) / training.batch_size
+        grads = torch.autograd.grad(scaler.scale(loss), params, materialize_grads=True)
+        return loss.detach(), list(grads)
+
+    loss, grads = tree_reduce(first, first + len(micro_batches), leaf, add_partials)
+    if reducer is not None:
+        loss, grads, recorded = reducer(loss, grads, recorded)
+    if stats:
+        stats.update(recorded)
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    scaler.unscale_(training.optimizer)  # a no-op unless fp16
+    grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    scaler.step(training.optimizer)
+    scaler.update()
+    training.optimizer.zero_grad(set_to_none=True)
+    training.schedule.step()
+    return loss, grad_norm

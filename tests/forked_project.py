@@ -1,0 +1,43 @@
+"""What a forker writes outside ``src/``: a model that takes ``num_classes`` only (as model-zoo
+constructors do) and a task that changes the loss. Plugged in with ``_target_`` overrides:
+
+    python train.py model._target_=forked_project.TinyNet task._target_=forked_project.LabelSmoothing
+"""
+
+import torch.nn.functional as F
+from torch import nn
+
+from repro.tasks import Classification
+
+
+class TinyNet(nn.Module):
+    """Takes ``num_classes`` and its own ``width``; no ``in_channels`` (RGB assumed)."""
+
+    def __init__(self, num_classes: int, width: int = 8) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, width, 3, stride=2, padding=1), nn.GroupNorm(4, width), nn.ReLU()
+        )
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x):
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+
+class LabelSmoothing(Classification):
+    """Classification whose loss smooths the targets; the metrics stay the parent's."""
+
+    def __init__(self, smoothing: float = 0.1) -> None:
+        self.smoothing = smoothing
+
+    def loss(self, outputs, targets):
+        return F.cross_entropy(
+            outputs.float(), targets, reduction="sum", label_smoothing=self.smoothing
+        )
+
+
+def zoo_model(*, weights=None, **kwargs):
+    """A model-zoo style constructor: everything through ``**kwargs`` (as torchvision's)."""
+    if weights is not None:
+        raise ValueError("no pretrained weights here")
+    return TinyNet(**kwargs)
