@@ -1,4 +1,7 @@
-"""Train: `python train.py [group=option ...] [key=value ...]` (see README.md)."""
+"""Train: `python train.py [group=option ...] [key=value ...]` (see README.md).
+
+The package (and torch) is imported inside ``main``: a bad command line is reported, and
+strict mode's re-execution happens (``repro.process_env``), before torch is loaded."""
 
 import json
 import logging
@@ -12,20 +15,22 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from repro.checkpoint import atomic_write
 from repro.config import check_overrides
-from repro.dist import launched_world, shutdown
 from repro.errors import Preempted, ReproError, exit_with, report_error
-from repro.loop import train
+from repro.files import ERROR_FILE
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float:
+    from repro.checkpoint import atomic_write
+    from repro.dist import launched_world, shutdown
+    from repro.loop import train
+
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    (run_dir / "error.json").unlink(missing_ok=True)  # from an earlier attempt of this job
+    (run_dir / ERROR_FILE).unlink(missing_ok=True)  # from an earlier attempt of this job
     try:
         summary = train(cfg, run_dir)
     except Preempted:
@@ -54,11 +59,16 @@ def main(cfg: DictConfig) -> float:
             "traceback": traceback.format_exc(),
         }
         text = json.dumps(record, indent=2) + "\n"
-        atomic_write(run_dir / "error.json", lambda f: f.write(text.encode()))
+        atomic_write(run_dir / ERROR_FILE, lambda f: f.write(text.encode()))
         print(f"error: job {hydra_cfg.job.num} ({run_dir.name}): {err}", file=sys.stderr)
         raise
     shutdown()  # leave the process group (torchrun)
     return summary[summary["headline"]]  # what a sweeper (Optuna, Ax) optimises
+
+
+def under_torchrun() -> bool:
+    """Started by torchrun (or any env:// launcher) with more than one process?"""
+    return os.environ.get("WORLD_SIZE", "1") not in ("", "1")
 
 
 if __name__ == "__main__":
@@ -66,7 +76,7 @@ if __name__ == "__main__":
         check_overrides(sys.argv[1:], CONF_DIR)  # one line for a bad value, before Hydra starts
     except ReproError as err:
         exit_with(err)
-    if not launched_world().distributed:
+    if not under_torchrun():
         main()
     else:
         # Under torchrun, end the process as soon as the run's Python work is done: the C++

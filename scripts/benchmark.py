@@ -33,8 +33,8 @@ import torch
 from _results import command_line, environment_line, run_json, today, write_results
 
 from repro.config import compose
-from repro.determinism import pin_process_environment
 from repro.loop import train
+from repro.process_env import pin_process_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -69,9 +69,9 @@ def profile(args: argparse.Namespace) -> None:
     from torch.profiler import ProfilerActivity, schedule
 
     from repro.config import compose
-    from repro.determinism import pin_process_environment
     from repro.dist import launched_world, shutdown
     from repro.loop import train
+    from repro.process_env import pin_process_environment
 
     steps = args.wait + args.warmup + args.active + 1  # the last (traced) step is not profiled
     overrides = [

@@ -1,30 +1,61 @@
-"""Shared helpers: run `train.py` as a user would (a subprocess), read what it wrote."""
+"""Shared helpers: train as a user does (``python train.py``, a subprocess) where a separate
+process is the point (kills, signals, re-exec, torchrun, the command line), and in this
+process (:func:`train_here`) everywhere else; runs that several tests read are trained once
+(session fixtures below)."""
 
 from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
+import random
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = ROOT / "conf"
+# Strict mode's layer 0 needs these before the interpreter starts, and the in-process runs
+# of this suite are strict: pytest re-executes itself once with them, as train.py does.
+PINNED = {"PYTHONHASHSEED": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if all(os.environ.get(k) == v for k, v in PINNED.items()):
+        return
+    if os.environ.get("REPRO_TESTS_REEXECUTED"):
+        raise pytest.UsageError("tests: PYTHONHASHSEED/CUBLAS_WORKSPACE_CONFIG lost in re-exec")
+    capture = config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:
+        capture.stop_global_capturing()  # give the new process the terminal, not a capture file
+    sys.stdout.flush()
+    sys.stderr.flush()
+    env = {**os.environ, **PINNED, "REPRO_TESTS_REEXECUTED": "1"}
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
 
 # Short runs: 40 steps of the default ConvNet (2 micro-batches a step), evaluated at the end.
 SHORT = ["trainer.max_steps=40", "trainer.eval_every=40", "trainer.log_every=10"]
+# Smaller data where the property does not need the default 4096/1024 samples (16 steps an
+# epoch at batch 64): generation and evaluation take a fraction of the time.
+SMALL_DATA = ["data.train_size=1024", "data.val_size=128"]
+# The traced short run several test files read (trace digests every 10 steps)
+TRACED = [*SHORT, "trainer.trace_every=10", *SMALL_DATA, "model.width=16"]
 
 
 @dataclass
 class Run:
     dir: Path
     summary: dict
-    proc: subprocess.CompletedProcess
+    output: str  # what the run printed (stdout and stderr, or its log records in-process)
+    proc: subprocess.CompletedProcess | None = None  # None: trained in this process
 
     @property
     def losses(self) -> list[str]:
@@ -50,12 +81,18 @@ def user_env(pinned: bool = True, **extra: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG", "REPRO_REEXECUTED")
+        if k not in (*PINNED, "REPRO_REEXECUTED", "REPRO_TESTS_REEXECUTED")
     }
     if pinned:
-        env.update(PYTHONHASHSEED="0", CUBLAS_WORKSPACE_CONFIG=":4096:8")
+        env.update(PINNED)
     env.update(CI="true", PYTHONUNBUFFERED="1", **extra)
     return env
+
+
+def with_tests_on_path(**extra: str) -> dict[str, str]:
+    """:func:`user_env` with tests/ importable (the test models and plug-ins live there)."""
+    path = os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    return user_env(PYTHONPATH=path, **extra)
 
 
 def train_cmd(*overrides: str, nproc: int | None = None) -> list[str]:
@@ -68,6 +105,10 @@ def train_cmd(*overrides: str, nproc: int | None = None) -> list[str]:
     return [sys.executable, *launcher, str(ROOT / "train.py"), *overrides]
 
 
+def _loader_chosen(overrides) -> bool:
+    return any(o.startswith(("loader=", "+loader=", "~loader")) for o in overrides)
+
+
 def run_train(
     run_dir: Path,
     *overrides: str,
@@ -76,7 +117,8 @@ def run_train(
     env: dict[str, str] | None = None,
     nproc: int | None = None,
 ) -> Run:
-    if not any(o.startswith(("loader=", "+loader=", "~loader")) for o in overrides):
+    """``python train.py hydra.run.dir=RUN_DIR ...`` in a subprocess."""
+    if not _loader_chosen(overrides):
         # The default loader starts 2 worker processes (about 0.8 s a run here); the bits do
         # not depend on them (test_data, test_train, test_resume, test_dist prove it), so a
         # test that does not choose a loader loads in the main process.
@@ -92,17 +134,93 @@ def run_train(
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     summary = json.loads((run_dir / "summary.json").read_text()) if proc.returncode == 0 else {}
-    return Run(run_dir, summary, proc)
+    return Run(run_dir, summary, proc.stdout + proc.stderr, proc)
+
+
+@contextmanager
+def preserved_global_state():
+    """Put back what a run changes in this process: torch's determinism flags and thread
+    count, and the global RNGs."""
+    flags = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.utils.deterministic.fill_uninitialized_memory,
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.get_float32_matmul_precision(),
+        torch.get_num_threads(),
+    )
+    rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
+        torch.utils.deterministic.fill_uninitialized_memory = flags[2]
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = flags[3:5]
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags[5:7]
+        torch.set_float32_matmul_precision(flags[7])
+        torch.set_num_threads(flags[8])
+        random.setstate(rng[0])
+        np.random.set_state(rng[1])
+        torch.set_rng_state(rng[2])
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def train_here(run_dir: Path, *overrides: str, after_step=None) -> Run:
+    """``repro.loop.train`` in this process, on the config ``train.py`` would compose (no
+    Hydra run: no ``.hydra/`` or ``train.log``). Errors are raised, as the exception."""
+    from repro.config import compose
+    from repro.loop import train
+
+    if not _loader_chosen(overrides):
+        overrides = ("loader=single", *overrides)
+    cfg = compose(list(overrides), CONF_DIR)
+    logger, records = logging.getLogger("repro"), _Records()
+    level = logger.level
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)
+    try:
+        with preserved_global_state():
+            summary = train(cfg, Path(run_dir), after_step=after_step)
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+    return Run(Path(run_dir), summary, "\n".join(records.lines))
 
 
 @pytest.fixture
 def train_run(tmp_path):
-    """`train_run("name", *overrides)` -> Run, in a fresh directory under tmp_path."""
+    """`train_run("name", *overrides)` -> Run, a subprocess in a fresh directory."""
 
     def _run(name: str, *overrides: str, **kwargs) -> Run:
         return run_train(tmp_path / name, *overrides, **kwargs)
 
     return _run
+
+
+@pytest.fixture(scope="session")
+def traced_runs(tmp_path_factory):
+    """The short traced run (40 steps, strict, main-process loader) trained once for the
+    whole suite as a user would (``python train.py``), and beside it, in this process, what
+    it must equal or differ from: again, with 2 loader workers, with seed 1. Read, never
+    written."""
+    base = tmp_path_factory.mktemp("traced")
+    return {
+        "a": run_train(base / "a", *TRACED),
+        "b": train_here(base / "b", *TRACED),
+        "multi": train_here(base / "multi", *TRACED, "loader=multi", "loader.num_workers=2"),
+        "seed1": train_here(base / "seed1", *TRACED, "seed=1"),
+    }
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -4,6 +4,8 @@ constructors do) and a task that changes the loss. Plugged in with ``_target_`` 
     python train.py model._target_=forked_project.TinyNet task._target_=forked_project.LabelSmoothing
 """
 
+import numpy as np
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -41,3 +43,13 @@ def zoo_model(*, weights=None, **kwargs):
     if weights is not None:
         raise ValueError("no pretrained weights here")
     return TinyNet(**kwargs)
+
+
+class NumpyNoiseNet(TinyNet):
+    """TinyNet whose input is perturbed with noise from NumPy's *global* RNG, as third-party
+    code may draw it: not keyed, so only the seeded and checkpointed global state makes it
+    repeat and resume."""
+
+    def forward(self, x):
+        noise = np.random.standard_normal(tuple(x.shape[1:])).astype(np.float32)
+        return super().forward(x + 0.1 * torch.from_numpy(noise).to(x.device))

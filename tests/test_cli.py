@@ -13,8 +13,8 @@ def repro(*args):
     )
 
 
-def test_digest_matches_summary(train_run):
-    run = train_run("r", "trainer.max_steps=3", "trainer.eval_every=3")
+def test_digest_matches_summary(traced_runs):
+    run = traced_runs["a"]
     out = repro("digest", str(run.dir))
     assert out.returncode == 0
     assert out.stdout.split()[0] == run.summary["weights_sha256"]

@@ -11,14 +11,10 @@ import sys
 import pytest
 import torch
 
-from conftest import CONF_DIR, SHORT, run_train, user_env
+from conftest import SHORT, SMALL_DATA, train_here, user_env
 from repro.checkpoint import checkpoint_path
 from repro.compare import compare_dirs
-from repro.config import compose
-from repro.loop import train
 from repro.trace import BackgroundDigests, state_digests
-
-TRACED = [*SHORT, "trainer.trace_every=10"]
 
 
 def repro(*args):
@@ -36,13 +32,9 @@ def trace(run_dir):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("runs")
-    return {
-        "a": run_train(base / "a", *TRACED),
-        "multi": run_train(base / "multi", *TRACED, "loader=multi", "loader.num_workers=2"),
-        "seed1": run_train(base / "seed1", *TRACED, "seed=1"),
-    }
+def runs(traced_runs):
+    """The short traced runs (conftest): seed 0, with 2 loader workers, seed 1."""
+    return traced_runs
 
 
 def test_trace_holds_the_exact_values_and_digests(runs):
@@ -68,8 +60,9 @@ def test_trace_digests_are_the_state_after_their_step(tmp_path):
     """The periodic digests are hashed in the background and written when ready: each must
     be the weights after its own step (checkpoints hold those), and the trace complete."""
     args = [*SHORT, "trainer.trace_every=5", "trainer.log_every=5", "trainer.keep_checkpoints=9"]
-    held = run_train(tmp_path / "held", *args, "trainer.checkpoint_every=20")
-    every = run_train(tmp_path / "every", *args, "trainer.checkpoint_every=5")
+    args += [*SMALL_DATA, "model.width=8"]
+    held = train_here(tmp_path / "held", *args, "trainer.checkpoint_every=20")
+    every = train_here(tmp_path / "every", *args, "trainer.checkpoint_every=5")
     digests = {}
     for run in (held, every):
         records = trace(run.dir)
@@ -116,6 +109,14 @@ def test_env_json_records_versions_flags_variables_git_and_config(runs):
     assert {"commit", "dirty", "diff_sha256"} <= env["git"].keys()
     assert env["config_hash"] == run.summary["config_hash"]
     assert env["config"]["seed"] == 0
+    # the CPU's instruction set: the kernels of a CPU run dispatch by it
+    assert env["environment"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    isa = env["environment"]["cpu_isa"]
+    assert isa is None or (
+        isa == sorted(isa) and all(f.startswith(("avx", "amx", "f")) for f in isa)
+    )
+    assert env["environment"]["cpu_dispatch_limits"] == {}  # no variable caps it here
+    assert "ONEDNN_MAX_CPU_ISA" in env["env_vars"] and "ATEN_CPU_CAPABILITY" in env["env_vars"]
 
 
 def test_identical_runs_compare_equal_and_name_the_harmless_differences(runs):
@@ -137,11 +138,9 @@ def test_another_seed_differs_at_the_initial_weights(runs):
 
 
 def test_a_perturbed_parameter_is_found_at_its_step(tmp_path):
-    """In-process runs (determinism=warn: no re-exec here); one nudges a parameter by one
-    ulp after step 7. Compare names step 7 and that tensor, not a later symptom."""
-    overrides = [*SHORT, "trainer.max_steps=12", "trainer.trace_every=1", "determinism=warn"]
-    cfg = compose(overrides, CONF_DIR)
-    cfg.trainer.progress = False
+    """Two runs of one config; one nudges a parameter by one ulp after step 7. Compare names
+    step 7 and that tensor, not a later symptom."""
+    overrides = [*SHORT, "trainer.max_steps=12", "trainer.trace_every=1", *SMALL_DATA]
 
     def nudge(step, model):
         if step == 7:
@@ -149,8 +148,8 @@ def test_a_perturbed_parameter_is_found_at_its_step(tmp_path):
                 b = model.head.bias
                 b[3] = torch.nextafter(b[3], torch.tensor(math.inf, device=b.device))
 
-    train(cfg, tmp_path / "straight")
-    train(cfg, tmp_path / "nudged", after_step=nudge)
+    train_here(tmp_path / "straight", *overrides)
+    train_here(tmp_path / "nudged", *overrides, after_step=nudge)
     result = compare_dirs(tmp_path / "straight", tmp_path / "nudged")
     assert not result.identical
     assert result.lines[0] == "differ: first divergence at step 7"
@@ -163,12 +162,21 @@ def test_environment_differences_are_listed(runs, tmp_path):
     copy = shutil.copytree(runs["a"].dir, tmp_path / "elsewhere")
     env = json.loads((copy / "env.json").read_text())
     gpu = env["environment"]["gpu"]
-    env["environment"].update(gpu="NVIDIA A100-SXM4-80GB", torch="2.10.0")
+    capability = env["environment"]["cpu_capability"]
+    env["environment"].update(gpu="NVIDIA A100-SXM4-80GB", torch="2.10.0", cpu_capability="AVX2")
+    env["env_vars"].update(ONEDNN_MAX_CPU_ISA="AVX2", OMP_NUM_THREADS="1")
+    env["git"]["commit"] = "0" * 40
     (copy / "env.json").write_text(json.dumps(env))
     out = repro("compare", str(runs["a"].dir), str(copy))
     assert out.returncode == 0  # the bits agree; the listing says what else does not
     assert f"environment.gpu: {gpu} vs NVIDIA A100-SXM4-80GB" in out.stdout
     assert f"environment.torch: {torch.__version__} vs 2.10.0" in out.stdout
+    assert f"environment.cpu_capability: {capability} vs AVX2" in out.stdout
+    listed = [line.strip().split(":")[0] for line in out.stdout.splitlines()]
+    order = [k.split(".")[0] for k in listed if k.startswith(("environment.", "env_vars.", "git."))]
+    assert order == sorted(order, key=["environment", "env_vars", "git"].index)  # hardware first
+    assert "env_vars.ONEDNN_MAX_CPU_ISA: None vs AVX2" in out.stdout
+    assert "env_vars.ATEN_CPU_CAPABILITY" not in out.stdout  # unset in both: not a difference
 
 
 def test_runs_of_different_lengths_compare_over_the_common_prefix(runs, tmp_path):
@@ -187,7 +195,10 @@ def test_tolerance_mode_reports_the_largest_deviation(runs):
     loose = repro("compare", a, b, "--tolerance", "10")
     assert loose.returncode == 0 and loose.stdout.startswith("within tolerance 10")
     assert "loss curve (40 steps): largest deviation at step" in loose.stdout
-    assert "val_accuracy (step 40)" in loose.stdout
+    assert "val_accuracy (step 40)" in loose.stdout and "(headline, abs checked)" in loose.stdout
+    headline = next(line for line in loose.stdout.splitlines() if "val_accuracy (step 40)" in line)
+    accuracy = runs["a"].summary["val_accuracy"], runs["seed1"].summary["val_accuracy"]
+    assert f"abs {abs(accuracy[0] - accuracy[1]):.3g}," in headline
     tight = repro("compare", a, b, "--tolerance", "1e-6")
     assert tight.returncode == 1 and tight.stdout.startswith("outside tolerance 1e-06")
 

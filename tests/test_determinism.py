@@ -7,11 +7,14 @@ import sys
 
 import torch
 
-from conftest import ROOT, SHORT, user_env
+from conftest import ROOT, SMALL_DATA, train_here, user_env
+
+# one step of a small model: what is tested is the set-up, not the training
+ONE = ["trainer.max_steps=1", "trainer.eval_every=1", *SMALL_DATA, "model.width=8"]
 
 
 def _hash_seed_in_effect(env_value, set_later=False):
-    code = "from repro.determinism import hash_seed_in_effect; print(hash_seed_in_effect('0'))"
+    code = "from repro.process_env import hash_seed_in_effect; print(hash_seed_in_effect('0'))"
     if set_later:  # what the seed tutorials do: assign it inside the running process
         code = "import os; os.environ['PYTHONHASHSEED'] = '0'; " + code
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
@@ -30,9 +33,7 @@ def test_hash_seed_check_tells_started_with_from_set_later():
 
 
 def test_strict_re_executes_to_pin_the_environment(train_run):
-    run = train_run(
-        "strict", *SHORT[:1], "trainer.max_steps=2", "trainer.eval_every=2", env=user_env(False)
-    )
+    run = train_run("strict", *ONE, env=user_env(False))
     assert run.entry("re-executed to pin the environment")["value"] is True
     for name in (
         "PYTHONHASHSEED",
@@ -50,28 +51,19 @@ def test_strict_re_executes_to_pin_the_environment(train_run):
 
 def test_strict_refuses_to_run_without_the_environment(train_run):
     run = train_run(
-        "nopin",
-        "trainer.max_steps=2",
-        "determinism.pin_process_env=false",
-        check=False,
-        env=user_env(pinned=False),
+        "nopin", *ONE, "determinism.pin_process_env=false", check=False, env=user_env(False)
     )
     assert run.proc.returncode == 1
     assert "PYTHONHASHSEED" in run.proc.stderr and "Traceback" not in run.proc.stderr
     # with the variables exported by the user, no re-exec is needed
     env = user_env(PYTHONHASHSEED="0", CUBLAS_WORKSPACE_CONFIG=":4096:8")
-    ok = train_run("exported", "trainer.max_steps=2", "trainer.eval_every=2", env=env)
+    ok = train_run("exported", *ONE, env=env)
     assert ok.entry("re-executed to pin the environment")["value"] is False
     assert ok.entry("PYTHONHASHSEED")["verified"] is True
 
 
 def test_tf32_override_is_removed_in_strict(train_run):
-    run = train_run(
-        "tf32",
-        "trainer.max_steps=2",
-        "trainer.eval_every=2",
-        env=user_env(False, TORCH_ALLOW_TF32_CUBLAS_OVERRIDE="1"),
-    )
+    run = train_run("tf32", *ONE, env=user_env(False, TORCH_ALLOW_TF32_CUBLAS_OVERRIDE="1"))
     assert run.entry("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE")["value"] is None
 
 
@@ -85,8 +77,7 @@ def test_a_job_of_a_sweep_does_not_inherit_the_previous_jobs_threads(tmp_path):
             "-m",
             "determinism.cpu_threads=1,null",
             "determinism=fast",
-            "trainer.max_steps=1",
-            "trainer.eval_every=1",
+            *ONE,
         ],
         cwd=tmp_path,
         env=user_env(),
@@ -107,11 +98,11 @@ def test_a_job_of_a_sweep_does_not_inherit_the_previous_jobs_threads(tmp_path):
     assert torch.get_num_threads() != 1 or os.cpu_count() == 1  # else this test proves nothing
 
 
-def test_warn_mode_is_strict_with_warnings_and_the_nan_fill(train_run):
+def test_warn_mode_is_strict_with_warnings_and_the_nan_fill(tmp_path):
     """warn = strict + warnings + new tensors filled with NaN; the fill changes no bit."""
-    steps = ["trainer.max_steps=3", "trainer.eval_every=3"]
-    run = train_run("warn", *steps, "determinism=warn")
-    strict = train_run("strict", *steps)
+    steps = ["trainer.max_steps=3", "trainer.eval_every=3", *SMALL_DATA]
+    run = train_here(tmp_path / "warn", *steps, "determinism=warn")
+    strict = train_here(tmp_path / "strict", *steps)
     assert run.report["mode"] == "warn"
     assert run.entry("deterministic warn_only")["value"] is True
     assert run.entry("use_deterministic_algorithms")["value"] is True

@@ -1,10 +1,10 @@
 """World-size invariance: `torchrun` with 1, 2 or 4 processes gives the same bits (gloo on
 the CPU), and a checkpoint written by one world size resumes in another with the same bits.
 
-Each run is a real `torchrun --standalone` launch of train.py, strict, `loader=multi`, the
-ConvNet with dropout on; the reference is the plain one-process `python train.py`."""
+Each multi-process run is a real `torchrun --standalone` launch of train.py, strict,
+`loader=multi`, the ConvNet with dropout on; the one-process reference trains in this
+process (conftest.train_here)."""
 
-import os
 import signal
 import subprocess
 import time
@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import ROOT, Run, run_train, train_cmd, user_env
+from conftest import Run, run_train, train_cmd, train_here, user_env, with_tests_on_path
 from repro.compare import compare_dirs
 from repro.config import compose
 from repro.dist import World, launched_world
@@ -55,8 +55,11 @@ def runs(tmp_path_factory):
 
     def get(world_size: int) -> Run:
         if world_size not in cache:
-            nproc = None if world_size == 1 else world_size
-            cache[world_size] = run_train(base / f"w{world_size}", *SMALL, nproc=nproc)
+            run_dir = base / f"w{world_size}"
+            one = world_size == 1
+            cache[world_size] = (
+                train_here(run_dir, *SMALL) if one else run_train(run_dir, *SMALL, nproc=world_size)
+            )
         return cache[world_size]
 
     return get
@@ -93,12 +96,11 @@ def test_a_two_process_checkpoint_resumes_in_another_world_size(runs, tmp_path, 
     # written by the 2-process run at step 10 (mid-epoch: 8 steps an epoch)
     checkpoint = runs(2).dir / "checkpoints" / "step-00000010.pt"
     assert checkpoint.exists()
-    resumed = run_train(
-        tmp_path / f"resumed{world_size}",
-        *SMALL,
-        f"trainer.resume={checkpoint}",
-        nproc=world_size if world_size > 1 else None,
-    )
+    run_dir, resume_from = tmp_path / f"resumed{world_size}", f"trainer.resume={checkpoint}"
+    if world_size == 1:
+        resumed = train_here(run_dir, *SMALL, resume_from)
+    else:
+        resumed = run_train(run_dir, *SMALL, resume_from, nproc=world_size)
     assert resumed.summary["resumes"][-1]["step"] == 10
     assert resumed.summary["resumes"][-1]["world_size"] == world_size
     assert_same_bits(resumed, runs(1))
@@ -110,7 +112,7 @@ def test_preempted_two_process_run_resumes_in_one_process_with_the_same_bits(run
     run_dir = tmp_path / "preempted"
     steps = [*SMALL, "trainer.max_steps=60", "trainer.checkpoint_every=1000"]
     steps += ["trainer.log_every=1", "trainer.eval_every=30", "trainer.trace_every=10"]
-    straight = run_train(tmp_path / "straight", *steps)
+    straight = train_here(tmp_path / "straight", *steps)
     proc = subprocess.Popen(
         train_cmd(f"hydra.run.dir={run_dir}", *steps, nproc=2),
         cwd=tmp_path,
@@ -132,7 +134,7 @@ def test_preempted_two_process_run_resumes_in_one_process_with_the_same_bits(run
     stopped_at = int(saved[0].stem.split("-")[1])
     assert 5 <= stopped_at < 60
     assert out.count(f"stopped after step {stopped_at}/60") == 1, out  # rank 0 says it once
-    resumed = run_train(run_dir, *steps, "trainer.resume=auto")
+    resumed = train_here(run_dir, *steps, "trainer.resume=auto")
     assert resumed.summary["resumes"][-1]["step"] == stopped_at
     assert resumed.summary["weights_sha256"] == straight.summary["weights_sha256"]
     assert metrics(resumed) == metrics(straight)
@@ -142,7 +144,7 @@ def test_batchnorm_running_statistics_do_not_depend_on_the_world_size(tmp_path):
     """ResNet-18 (BatchNorm) at width 8: the running buffers are folded in micro-batch order
     on every rank, so they too are the same bits."""
     small_resnet = [*SMALL, "model=resnet18", "model.width=8", "trainer.max_steps=4"]
-    one = run_train(tmp_path / "one", *small_resnet)
+    one = train_here(tmp_path / "one", *small_resnet)
     two = run_train(tmp_path / "two", *small_resnet, nproc=2)
     assert_same_bits(two, one)
     state = torch.load(two.dir / "checkpoint.pt", weights_only=True)["model"]
@@ -173,10 +175,13 @@ def test_an_error_on_one_rank_stops_every_rank_with_its_message(tmp_path):
             *SMALL,
             "model._target_=sweep_models.FailsOnRank",
             "+model.fail_rank=1",
+            # the main-process loader: workers would outlive their failed rank for up to
+            # DataLoader's 5 s watchdog interval, and the error path is what is tested
+            "loader=single",
             nproc=2,
         ),
         cwd=tmp_path,
-        env=user_env(PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT / "src")])),
+        env=with_tests_on_path(),
         capture_output=True,
         text=True,
         timeout=300,

@@ -67,6 +67,8 @@ def test_dist_benchmark_compares_reductions_and_ddp_across_world_sizes(tmp_path)
         str(tmp_path),
         "--",
         "data.train_size=256",
+        "data.val_size=64",
+        "model.width=8",
         "determinism.cpu_threads=1",
     )
     (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("dist-*.json")]

@@ -17,6 +17,7 @@ TINY = [
     "trainer.eval_every=3",
     "data.train_size=512",
     "data.val_size=128",
+    "model.width=8",
 ]
 
 

@@ -7,21 +7,19 @@ import subprocess
 import pytest
 import yaml
 
-from conftest import ROOT, SHORT, run_train, train_cmd, user_env
+from conftest import ROOT, SMALL_DATA, run_train, train_cmd, train_here, user_env
 from repro.rng import derive_seed
 
 SUMMARY_KEYS = {"weights_sha256", "steps", "final_loss", "val_accuracy", "seed", "device"}
+# a sweep's jobs, short and small: what is tested is the sweep, not the training
+TINY = ["trainer.max_steps=4", "trainer.eval_every=4", *SMALL_DATA, "model.width=8"]
 
 
 @pytest.fixture(scope="module")
-def strict_runs(tmp_path_factory):
-    """Three short strict runs of seed 0: twice with loader=single, once with loader=multi."""
-    base = tmp_path_factory.mktemp("strict")
-    return {
-        "a": run_train(base / "a", *SHORT),
-        "b": run_train(base / "b", *SHORT),
-        "multi": run_train(base / "multi", *SHORT, "loader=multi"),
-    }
+def strict_runs(traced_runs):
+    """Short strict runs of seed 0 (conftest: trained once for the suite): twice with
+    loader=single, once with loader=multi; and seed 1."""
+    return traced_runs
 
 
 def test_strict_twice_gives_identical_bits(strict_runs):
@@ -40,9 +38,8 @@ def test_loader_workers_do_not_change_the_bits(strict_runs):
     assert multi.losses == a.losses
 
 
-def test_seeds_change_the_bits_and_zero_is_a_seed(strict_runs, train_run):
-    a = strict_runs["a"]
-    one = train_run("seed1", *SHORT, "seed=1")
+def test_seeds_change_the_bits_and_zero_is_a_seed(strict_runs):
+    a, one = strict_runs["a"], strict_runs["seed1"]
     assert a.summary["seed"] == 0 and one.summary["seed"] == 1
     assert one.summary["weights_sha256"] != a.summary["weights_sha256"]
     assert one.losses != a.losses
@@ -66,26 +63,27 @@ def test_run_directory_holds_config_report_metrics_checkpoint_summary(strict_run
     assert not list(d.glob(".*.tmp"))  # atomic writes left no temporaries
 
 
-def test_fast_and_amp_run_and_report_what_they_set(train_run):
-    fast = train_run("fast", *SHORT, "determinism=fast")
+def test_fast_and_amp_run_and_report_what_they_set(tmp_path):
+    short = ["trainer.max_steps=4", "trainer.eval_every=4", *SMALL_DATA, "model.width=8"]
+    fast = train_here(tmp_path / "fast", *short, "determinism=fast")
     assert fast.summary["determinism"] == "fast"
     assert fast.entry("cudnn.benchmark")["value"] is True
     assert fast.entry("cuda.matmul.allow_tf32")["value"] is True
     assert fast.entry("use_deterministic_algorithms")["value"] is False
 
-    amp = train_run("amp", *SHORT, "amp=on")
+    amp = train_here(tmp_path / "amp", *short, "amp=on")
     assert amp.summary["amp"] == "bfloat16"
     assert amp.entry("amp")["value"].startswith("bfloat16 autocast")
-    assert "determinism report" in amp.proc.stdout + amp.proc.stderr  # printed at start
+    assert "determinism report" in amp.output  # logged at start
 
-    fp16 = train_run("fp16", *SHORT, "amp=on", "amp.dtype=float16")
+    fp16 = train_here(tmp_path / "fp16", *short, "amp=on", "amp.dtype=float16")
     assert fp16.summary["amp"] == "float16" and fp16.entry("amp")["note"] == "GradScaler on"
     assert fp16.summary["weights_sha256"] != amp.summary["weights_sha256"]
 
 
 def test_multirun_makes_one_directory_per_seed_named_by_seed(tmp_path):
     proc = subprocess.run(
-        train_cmd("-m", "seed=0,1", "trainer.max_steps=4", "trainer.eval_every=4"),
+        train_cmd("-m", "seed=0,1", *TINY),
         cwd=tmp_path,
         env=user_env(),
         capture_output=True,
@@ -98,13 +96,14 @@ def test_multirun_makes_one_directory_per_seed_named_by_seed(tmp_path):
 
 
 def test_default_run_learns(train_run):
-    """`make train`'s config: accuracy well above chance (10 classes)."""
-    run = train_run("default")
+    """`make train`'s config, default loader included: accuracy well above chance (10
+    classes)."""
+    run = train_run("default", "loader=multi")
     assert run.summary["steps"] == 300
     assert run.summary["val_accuracy"] > 0.6
+    assert run.summary["headline"] == "val_accuracy"
     assert run.summary["device"] in ("cpu", "cuda")
-    out = run.proc.stdout + run.proc.stderr
-    assert run.summary["weights_sha256"] in out and "val accuracy" in out
+    assert run.summary["weights_sha256"] in run.output and "val accuracy" in run.output
 
 
 def test_make_help_lists_the_targets():
@@ -119,9 +118,7 @@ def test_two_sweeps_in_the_same_second_do_not_collide(tmp_path):
     pattern = yaml.safe_load((ROOT / "conf" / "train.yaml").read_text())["hydra"]["sweep"]["dir"]
     frozen = re.sub(r"\$\{now:[^}]*\}", "same-second", pattern)
     assert frozen != pattern
-    cmd = train_cmd(
-        "-m", "seed=0", "trainer.max_steps=2", "trainer.eval_every=2", f"hydra.sweep.dir={frozen}"
-    )
+    cmd = train_cmd("-m", "seed=0", *TINY, f"hydra.sweep.dir={frozen}")
     procs = [
         subprocess.Popen(
             cmd,
@@ -165,7 +162,8 @@ def test_a_model_added_by_one_module_and_one_yaml(tmp_path):
         "model=tiny_mlp",
         "trainer.max_steps=3",
         "trainer.eval_every=3",
+        *SMALL_DATA,
         env=env,
     )
-    assert "TinyMLP" in run.proc.stdout + run.proc.stderr
+    assert "TinyMLP" in run.output
     assert run.summary["steps"] == 3

@@ -1,22 +1,23 @@
 """Hydra callbacks: what must happen before Hydra creates a run or sweep directory.
 
-``conf/train.yaml`` registers :class:`PrepareRunCallback` under ``hydra.callbacks``: it
-validates the config (every job's, for a sweep), pins the process environment (layer 0 of
-:mod:`repro.determinism`, which may re-execute the process) and, under torchrun, has every
-rank agree on one run directory. A bad value therefore leaves nothing behind.
+``conf/train.yaml`` registers :class:`PrepareRunCallback` under ``hydra.callbacks``: it pins
+the process environment (layer 0, :mod:`repro.process_env`: strict mode may re-execute the
+process, which it does before torch is imported), validates the config (every job's, for a
+sweep) and, under torchrun, has every rank agree on one run directory. A bad value
+therefore leaves nothing behind.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from repro import dist
 from repro.config import validate
-from repro.determinism import pin_process_environment
 from repro.errors import ConfigError, ReproError, exit_with
+from repro.process_env import pin_process_environment
 
 
 def validate_sweep_jobs(config: DictConfig) -> None:
@@ -40,14 +41,16 @@ def validate_sweep_jobs(config: DictConfig) -> None:
 
 
 class PrepareRunCallback(Callback):
-    """Hydra callback: validate the config (every job's, for a sweep) and pin the process
-    environment before Hydra creates any run or sweep directory, so that a bad value leaves
+    """Hydra callback: pin the process environment and validate the config (every job's, for
+    a sweep) before Hydra creates any run or sweep directory, so that a bad value leaves
     nothing behind."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
-            validate(config)
             pin_process_environment(config.determinism)
+            validate(config)
+            from repro import dist  # torch: after the re-exec
+
             # under torchrun: join the process group and agree on one run directory
             world = dist.init(config.dist, dict(config.determinism.nccl_env), str(config.device))
             dist.join_hydra_run(config, world)
@@ -56,13 +59,13 @@ class PrepareRunCallback(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
-            if dist.launched_world().distributed:
+            if os.environ.get("WORLD_SIZE", "1") != "1":  # torchrun
                 raise ConfigError(
                     "a sweep (-m) cannot run under torchrun: start one torchrun per job "
                     "(for s in 0 1 2; do torchrun ... train.py seed=$s; done)."
                 )
+            pin_process_environment(config.determinism)
             validate(config)
             validate_sweep_jobs(config)
-            pin_process_environment(config.determinism)
         except ReproError as err:
             exit_with(err)

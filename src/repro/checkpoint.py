@@ -27,13 +27,13 @@ import torch
 
 from repro.config import flatten
 from repro.errors import CheckpointError
+from repro.files import CHECKPOINT_DIR
 from repro.rng import global_rng_states, set_global_rng_states
 
 if TYPE_CHECKING:
     from repro.build import Training
 
 CHECKPOINT_FORMAT = "repro.checkpoint.v1"
-CHECKPOINT_DIR = "checkpoints"
 LAST_GOOD = "last_good"  # names the newest checkpoint read back and verified after writing
 _NAME = re.compile(r"step-(\d{8})\.pt")
 log = logging.getLogger("repro")

@@ -80,6 +80,7 @@ def cmd_rerun(args: argparse.Namespace) -> int:
 
     from repro.compare import compare_dirs
     from repro.config import find_conf_dir
+    from repro.files import SUMMARY_FILE
 
     job = Path(args.job_dir)
     overrides_file = job / ".hydra" / "overrides.yaml"
@@ -104,7 +105,7 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     proc = subprocess.run(cmd, stdout=sys.stderr)
     if proc.returncode != 0:
         raise ReproError(f"the re-run failed (exit status {proc.returncode}); see {out}.")
-    if not (job / "summary.json").is_file():
+    if not (job / SUMMARY_FILE).is_file():
         print(
             f"re-ran into {out}; the original job did not finish, so there is nothing to compare."
         )

@@ -17,12 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from repro.config import flatten
 from repro.errors import ReproError
-from repro.fingerprint import ENV_FILE
-from repro.trace import TRACE_FILE
+from repro.files import ENV_FILE, TRACE_FILE
 
 # Differences in these are listed but are expected between any two runs.
 _VOLATILE = ("git.",)
@@ -211,6 +208,8 @@ def _checkpoint_deviation(a: RunRecords, b: RunRecords) -> str | None:
         paths.append(run.dir / name)
     if not all(p.is_file() for p in paths):
         return None
+    import torch  # only here: comparing two traces needs no torch
+
     try:
         sa, sb = (torch.load(p, map_location="cpu", weights_only=True)["model"] for p in paths)
     except Exception:  # a foreign or damaged checkpoint only loses this one line

@@ -24,7 +24,6 @@ from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any
 
-import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
@@ -206,6 +205,8 @@ def _validate_run(cfg: DictConfig) -> None:
         _fail("seed", cfg.seed, "an integer in [0, 2**63)")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(cfg.device)):
         _fail("device", cfg.device, "auto, cpu, cuda or cuda:N")
+    import torch  # here, not at import: a bad command line is reported before torch loads
+
     if str(cfg.device).startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(
             f"config error: device={cfg.device} but no CUDA device is available; "
@@ -342,7 +343,9 @@ def _check_arguments(group: str, node: DictConfig, target: Any) -> None:
         if key not in params and not takes_kwargs:
             allowed = ", ".join(k for k in params if k not in TARGET_GROUPS[group]) or "none"
             raise ConfigError(
-                f"config error: {group}.{key} is not an argument of {node._target_}; allowed: {allowed}."
+                f"config error: {group}.{key} is not an argument of {node._target_}; allowed: "
+                f"{allowed}; to replace a preset's target without its keys, start from none: "
+                f"~{group} +{group}._target_={node._target_}"
             )
         hint = _checkable(hints.get(key))
         if hint is not None:

@@ -4,8 +4,8 @@ Applied by the entrypoint, in order, before the model or the loader exists:
 
 0. process environment: ``PYTHONHASHSEED`` and ``CUBLAS_WORKSPACE_CONFIG`` only work when
    they are in place before the interpreter (resp. cuBLAS) starts, so strict mode re-executes
-   the process once when they are missing (:func:`pin_process_environment`, called by
-   :class:`repro.callbacks.PrepareRunCallback`), then verifies;
+   the process once when they are missing (:mod:`repro.process_env`, before torch is even
+   imported), and this module verifies that they took effect;
 1. CPU: ``random``, NumPy, torch's CPU generator; intra-op thread count fixed and recorded;
 2. GPU: cuDNN deterministic/benchmark, ``use_deterministic_algorithms``, TF32, CUDA generators;
 3. data: keyed sampler and per-sample augmentation seeds, ``worker_init_fn`` (``repro.data``);
@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,11 +29,9 @@ from omegaconf import DictConfig
 
 from repro import dist
 from repro.errors import DeterminismError
+from repro.process_env import REEXEC_MARKER, TF32_OVERRIDE, hash_seed_in_effect, strict_like
 from repro.rng import seed_global_rngs
 
-REEXEC_MARKER = "REPRO_REEXECUTED"
-TF32_OVERRIDE = "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"
-_HASH_PROBE = "repro determinism probe"
 # PyTorch's own choice for this machine, read before any job of this process changes it: in a
 # sweep, jobs share the process, and a fast job must not inherit a strict job's setting.
 _DEFAULT_THREADS = torch.get_num_threads()
@@ -46,49 +42,6 @@ NOT_COVERED = [
     "third-party code with its own RNG that does not draw from the seeded global generators",
     "custom CUDA extensions and ops PyTorch does not know to be nondeterministic",
 ]
-
-
-def _strict_like(dcfg: DictConfig) -> bool:
-    return str(dcfg.mode) in ("strict", "warn")
-
-
-def required_process_env(dcfg: DictConfig) -> dict[str, str]:
-    return {
-        "PYTHONHASHSEED": str(dcfg.pythonhashseed),
-        "CUBLAS_WORKSPACE_CONFIG": str(dcfg.cublas_workspace_config),
-    }
-
-
-def process_env_missing(dcfg: DictConfig) -> list[str]:
-    """Names of the layer-0 variables that are not as strict mode needs them."""
-    missing = [k for k, v in required_process_env(dcfg).items() if os.environ.get(k) != v]
-    if os.environ.get(TF32_OVERRIDE) == "1" and not dcfg.allow_tf32:
-        missing.append(TF32_OVERRIDE)
-    return missing
-
-
-def pin_process_environment(dcfg: DictConfig) -> None:
-    """Layer 0: in strict/warn mode, re-execute this process once with the environment it
-    needs. Must run before torch touches CUDA and before any run directory is created."""
-    if not (_strict_like(dcfg) and dcfg.pin_process_env):
-        return
-    missing = process_env_missing(dcfg)
-    if not missing:
-        return
-    if os.environ.get(REEXEC_MARKER):
-        raise DeterminismError(
-            f"determinism: {', '.join(missing)} still not in effect after re-executing; "
-            "something resets the environment: export them before starting, or use "
-            "determinism=fast."
-        )
-    env = dict(os.environ)
-    env.update(required_process_env(dcfg))
-    if not dcfg.allow_tf32:
-        env.pop(TF32_OVERRIDE, None)  # it silently turns TF32 on
-    env[REEXEC_MARKER] = "1"
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
 @dataclass
@@ -151,22 +104,9 @@ class DeterminismReport:
         (run_dir / "determinism.txt").write_text(self.format() + "\n")
 
 
-def hash_seed_in_effect(value: str) -> bool:
-    """Does this interpreter hash strings the way one started with PYTHONHASHSEED=value does?
-
-    Setting ``os.environ`` later changes nothing in a running interpreter; this compares the
-    hash of a fixed string here with the one a fresh interpreter computes."""
-    probe = f"print(hash({_HASH_PROBE!r}))"
-    env = {**os.environ, "PYTHONHASHSEED": value}
-    out = subprocess.run(
-        [sys.executable, "-S", "-c", probe], env=env, capture_output=True, text=True, check=True
-    )
-    return int(out.stdout) == hash(_HASH_PROBE)
-
-
 def _layer0_process(report: DeterminismReport, dcfg: DictConfig, device: torch.device) -> None:
     name = "0 process environment"
-    strict = _strict_like(dcfg)
+    strict = strict_like(dcfg)
     seed = os.environ.get("PYTHONHASHSEED")
     if strict:
         in_effect = seed == str(dcfg.pythonhashseed) and hash_seed_in_effect(seed)

@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 import torch
 
-ENV_FILE = "env.json"
 # Variables that cap the instruction set a library dispatches to (forcing AVX2 on an AVX-512
 # machine, say): they change the bits without changing the hardware.
 CPU_DISPATCH_VARS = (

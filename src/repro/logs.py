@@ -21,8 +21,9 @@ from typing import Any
 import torch
 
 from repro.checkpoint import atomic_write
+from repro.files import EVAL_FILE, METRICS_FILE, TRACE_FILE
 from repro.progress import Progress
-from repro.trace import TRACE_FILE, TraceWriter
+from repro.trace import TraceWriter
 
 log = logging.getLogger("repro")
 METRICS_FIELDS = ["step", "epoch", "loss", "grad_norm", "lr"]
@@ -118,8 +119,8 @@ class TrainingLog:
         ``initial``: the step-0 trace record of a new run (initial weights' digests)."""
         at = start if resumed is not None else None
         self.max_steps, self.steps_per_epoch, self.log_every = max_steps, steps_per_epoch, log_every
-        self.metrics = CsvLog(run_dir / "metrics.csv", METRICS_FIELDS, at)
-        self.evals = CsvLog(run_dir / "eval.csv", None, at)
+        self.metrics = CsvLog(run_dir / METRICS_FILE, METRICS_FIELDS, at)
+        self.evals = CsvLog(run_dir / EVAL_FILE, None, at)
         self.trace = self._open_trace(run_dir / TRACE_FILE, trace, at, initial)
         self.progress = Progress(max_steps, enabled=progress, start=start)
         last = dict(resumed or {})

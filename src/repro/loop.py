@@ -47,12 +47,13 @@ from repro.determinism import DeterminismReport, apply_determinism
 from repro.dist import World, broadcast_object, on_main
 from repro.dist import init as init_world
 from repro.evaluation import evaluate
-from repro.fingerprint import ENV_FILE, environment, run_fingerprint
+from repro.files import ENV_FILE, SUMMARY_FILE
+from repro.fingerprint import environment, run_fingerprint
 from repro.logs import NullLog, TrainingLog
 from repro.preemption import Preemption
 from repro.progress import Throughput
 from repro.reduction import Reducer, check_split, share
-from repro.rundir import SUMMARY_FILE, ResumePoint, adopt_logs, prepare_run_dir, write_json
+from repro.rundir import ResumePoint, adopt_logs, prepare_run_dir, write_json
 from repro.step import train_step
 from repro.trace import StepTracer, state_dict_sha256, state_digests
 

@@ -25,8 +25,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from repro.checkpoint import list_checkpoints
 from repro.errors import ReproError
+from repro.files import ERROR_FILE, EVAL_FILE, METRICS_FILE, SUMMARY_FILE
 
 # The headline and metrics of summaries written before tasks recorded them.
 DEFAULT_METRICS = ("val_accuracy", "val_loss")
@@ -36,9 +36,6 @@ RUN_CONTROL = ("trainer.resume", "trainer.resume_force", "trainer.progress")
 
 def override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
-
-
-ERROR_FILE = "error.json"
 
 
 def t_quantile(p: float, df: int) -> float:
@@ -89,14 +86,16 @@ class Job:
 
 
 def _job_status(job_dir: Path) -> tuple[str, dict[str, Any], str]:
-    if (job_dir / "summary.json").is_file():
-        return "ok", json.loads((job_dir / "summary.json").read_text()), ""
+    if (job_dir / SUMMARY_FILE).is_file():
+        return "ok", json.loads((job_dir / SUMMARY_FILE).read_text()), ""
     if (job_dir / ERROR_FILE).is_file():
         try:
             err = json.loads((job_dir / ERROR_FILE).read_text())
         except ValueError:
             return "failed", {}, f"{ERROR_FILE} is unreadable (cut short)"
         return "failed", {}, f"{err.get('type')}: {err.get('message')}"
+    from repro.checkpoint import list_checkpoints  # torch: only for an unfinished job
+
     ckpts = list_checkpoints(job_dir)
     detail = (
         f"stopped after its step-{ckpts[0][0]} checkpoint: resume with trainer.resume=auto"
@@ -164,11 +163,11 @@ def outliers(jobs: list[Job], metric: str, stats: dict[str, Any]) -> list[dict[s
 def _curves(job: Job, metric: str) -> tuple[dict[int, float], dict[int, float]]:
     """The training loss per step and ``metric`` per evaluation."""
     loss, evals = {}, {}
-    if (job.dir / "metrics.csv").is_file():
-        with open(job.dir / "metrics.csv") as f:
+    if (job.dir / METRICS_FILE).is_file():
+        with open(job.dir / METRICS_FILE) as f:
             loss = {int(r["step"]): float(r["loss"]) for r in csv.DictReader(f)}
-    if (job.dir / "eval.csv").is_file():
-        with open(job.dir / "eval.csv") as f:
+    if (job.dir / EVAL_FILE).is_file():
+        with open(job.dir / EVAL_FILE) as f:
             evals = {int(r["step"]): float(r[metric]) for r in csv.DictReader(f) if r.get(metric)}
     return loss, evals
 

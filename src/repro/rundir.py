@@ -17,7 +17,6 @@ from typing import Any
 from omegaconf import DictConfig
 
 from repro.checkpoint import (
-    CHECKPOINT_DIR,
     RunIdentity,
     atomic_write,
     find_resume_point,
@@ -25,12 +24,17 @@ from repro.checkpoint import (
     remove_partial_writes,
 )
 from repro.errors import CheckpointError, ConfigError
-from repro.fingerprint import ENV_FILE
-from repro.trace import TRACE_FILE
+from repro.files import (
+    CHECKPOINT_DIR,
+    ENV_FILE,
+    EVAL_FILE,
+    METRICS_FILE,
+    SUMMARY_FILE,
+    TRACE_FILE,
+)
 
 log = logging.getLogger("repro")
-SUMMARY_FILE = "summary.json"
-LOG_FILES = (TRACE_FILE, "metrics.csv", "eval.csv", ENV_FILE)
+LOG_FILES = (TRACE_FILE, METRICS_FILE, EVAL_FILE, ENV_FILE)
 
 
 @dataclass

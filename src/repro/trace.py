@@ -28,8 +28,6 @@ import torch
 
 from repro.dist import World, all_gather_cpu, check_same
 
-TRACE_FILE = "trace.jsonl"
-
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:
     """The raw bytes of a tensor's values, on the CPU, in row-major order."""

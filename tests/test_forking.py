@@ -1,0 +1,123 @@
+"""Forking: a model, a task, an optimizer of your own plug in by ``_target_``; the loop is not
+edited. The plug-ins live outside src/ (tests/forked_project.py), as a fork's would."""
+
+import csv
+import inspect
+
+import pytest
+import torch
+
+from conftest import SMALL_DATA, train_here
+from repro.build import accepted
+from repro.config import compose
+from repro.errors import ConfigError
+from repro.tasks import Classification, Task
+
+STEPS = ["trainer.max_steps=8", "trainer.eval_every=4", *SMALL_DATA]
+# the preset's keys (width, dropout) go with it: ~model starts the model from none
+TINY_NET = ["~model", "+model._target_=forked_project.TinyNet"]
+SMOOTHING = "task._target_=forked_project.LabelSmoothing"
+
+
+def test_a_model_and_a_task_of_your_own_repeat_bit_exactly_and_the_loss_matters(tmp_path):
+    a = train_here(tmp_path / "a", *STEPS, *TINY_NET, SMOOTHING)
+    b = train_here(tmp_path / "b", *STEPS, *TINY_NET, SMOOTHING)
+    plain = train_here(tmp_path / "plain", *STEPS, *TINY_NET)
+    assert "TinyNet" in a.output and "task LabelSmoothing" in a.output
+    assert a.summary["weights_sha256"] == b.summary["weights_sha256"]
+    assert a.losses == b.losses
+    assert a.summary["weights_sha256"] != plain.summary["weights_sha256"]  # the loss counts
+    assert a.losses[0] != plain.losses[0]  # from the first step: same init, another loss
+    # the metrics are the parent's, from its statistics
+    assert a.summary["headline"] == "val_accuracy" and 0 <= a.summary["val_accuracy"] <= 1
+    with open(a.dir / "eval.csv") as f:
+        assert next(csv.reader(f)) == ["step", "val_loss", "val_accuracy"]
+
+
+def test_a_target_gets_only_the_keys_its_signature_takes():
+    def named(num_classes, in_channels=3, width=8):
+        pass
+
+    def zoo(*, weights=None, **kwargs):
+        pass
+
+    def neither(width=8):
+        pass
+
+    available = {"num_classes": 10, "in_channels": 3}
+    assert accepted(named, available, set()) == available
+    assert accepted(named, available, {"num_classes"}) == {"in_channels": 3}  # config wins
+    # **kwargs: num_classes, which every zoo constructor takes; in_channels is spelled
+    # differently from zoo to zoo (timm: in_chans), so it is left to the YAML
+    assert accepted(zoo, available, set()) == {"num_classes": 10}
+    assert accepted(neither, available, set()) == {}
+    assert "in_channels" not in inspect.signature(zoo).parameters
+
+
+def test_a_zoo_style_constructor_plugs_in_by_its_target(tmp_path):
+    zoo = ["~model", "+model._target_=forked_project.zoo_model"]
+    run = train_here(tmp_path / "zoo", *STEPS, *zoo)
+    assert run.summary["steps"] == 8 and "TinyNet" in run.output
+
+
+def test_a_preset_key_the_new_target_does_not_take_says_how_to_start_from_none():
+    with pytest.raises(ConfigError) as err:
+        compose(["model._target_=forked_project.TinyNet"])
+    assert str(err.value) == (
+        "config error: model.dropout is not an argument of forked_project.TinyNet; allowed: "
+        "width; to replace a preset's target without its keys, start from none: "
+        "~model +model._target_=forked_project.TinyNet"
+    )
+
+
+def test_a_torchvision_model_plugs_in_with_one_line(tmp_path):
+    pytest.importorskip("torchvision")
+    steps = ["trainer.max_steps=2", "trainer.eval_every=2", "data.train_size=128"]
+    resnet = ["~model", "+model._target_=torchvision.models.resnet18"]
+    run = train_here(tmp_path / "tv", *steps, "data.val_size=32", *resnet)
+    state = torch.load(run.dir / "checkpoint.pt", weights_only=True)["model"]
+    assert state["fc.weight"].shape == (10, 512)  # num_classes reached it through **kwargs
+
+
+def test_what_is_not_a_task_is_refused_in_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="is not a task .*subclass repro.tasks.Task"):
+        train_here(tmp_path / "x", *STEPS, "task._target_=forked_project.zoo_model")
+
+
+def test_an_unknown_task_key_names_the_allowed_ones():
+    with pytest.raises(ConfigError, match="task.smoothing is not an argument of"):
+        compose(["+task.smoothing=0.1"])
+    cfg = compose([SMOOTHING, "+task.smoothing=0.2"])
+    assert cfg.task.smoothing == 0.2
+
+
+def test_the_optimizer_is_a_partial_target_whose_implementation_is_pinned(tmp_path):
+    with pytest.raises(ConfigError, match="does not pin its implementation; set optim.foreach"):
+        compose(["~optim.foreach"])
+    with pytest.raises(ConfigError, match="optim.lr='fast' is invalid; allowed: a number"):
+        compose(["optim.lr=fast"])
+    constant = ["schedule=constant", "schedule.warmup_steps=2"]
+    run = train_here(tmp_path / "adamw", *STEPS, "optim=adamw", *constant)
+    assert run.entry("optimizer implementation")["value"] == "AdamW / foreach"
+    state = torch.load(run.dir / "checkpoint.pt", weights_only=True)
+    assert state["optimizer"]["param_groups"][0]["foreach"] is True
+    assert state["schedule"]["_last_lr"][0] == 2.0e-3  # constant after the warm-up
+
+
+def test_the_task_interface_is_what_the_docs_say():
+    """docs/extending.md documents these four; Classification implements them."""
+    for name in ("loss", "statistics", "metrics"):
+        assert callable(getattr(Task, name)) and getattr(Classification, name) is not getattr(
+            Task, name
+        )
+    assert Classification.headline == "val_accuracy" and Classification.higher_is_better
+    task = Classification()
+    logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [3.0, 0.0]])
+    labels = torch.tensor([0, 0, 0])
+    stats = task.statistics(logits, labels)
+    assert stats["correct"].dtype == torch.int64 and int(stats["correct"]) == 2
+    # additive: two halves summed give the metrics of the whole
+    halves = [task.statistics(logits[:1], labels[:1]), task.statistics(logits[1:], labels[1:])]
+    total = {k: halves[0][k] + halves[1][k] for k in stats}
+    assert task.metrics(total)["val_accuracy"] == task.metrics(stats)["val_accuracy"] == 2 / 3
+    assert torch.equal(task.loss(logits, labels), stats["loss_sum"].float())
