@@ -11,7 +11,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test test-cuda verify bench gpu-check report lint format clean distclean
+.PHONY: help install train test test-fast test-cuda mutations verify bench gpu-check report lint format clean distclean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -36,11 +36,17 @@ endif
 train: install ## train the default ConvNet on the synthetic data, strict mode (ARGS="key=value ...")
 	$(PY) train.py $(ARGS)
 
-test: install ## run the test suite (CUDA tests skip without a GPU)
+test: install ## run the whole test suite, as CI does (CUDA tests skip without a GPU)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: install ## the in-process tests only (about 20 s): for the edit-test loop
+	$(PY) -m pytest -m "not e2e and not cuda" $(PYTEST_ARGS)
 
 test-cuda: install ## run only the CUDA-marked tests (on a GPU machine)
 	$(PY) -m pytest -m cuda $(PYTEST_ARGS)
+
+mutations: install ## check that the tests catch the bugs listed in tests/README.md
+	$(PY) scripts/mutations.py $(ARGS)
 
 verify: install ## train twice and with 0 vs 2 loader workers, compare bits: PASS/FAIL (ARGS="key=value ...")
 	$(PY) scripts/verify.py $(if $(ARGS),-- $(ARGS))

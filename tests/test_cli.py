@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import user_env
 
 
@@ -13,6 +15,7 @@ def repro(*args):
     )
 
 
+@pytest.mark.e2e
 def test_digest_matches_summary(traced_runs):
     run = traced_runs["a"]
     out = repro("digest", str(run.dir))
@@ -20,6 +23,7 @@ def test_digest_matches_summary(traced_runs):
     assert out.stdout.split()[0] == run.summary["weights_sha256"]
 
 
+@pytest.mark.e2e
 def test_digest_errors_are_one_line(tmp_path):
     missing = repro("digest", str(tmp_path / "nope"))
     assert missing.returncode == 2 and "no such checkpoint" in missing.stderr
@@ -30,12 +34,14 @@ def test_digest_errors_are_one_line(tmp_path):
     assert "Traceback" not in missing.stderr + corrupt.stderr
 
 
+@pytest.mark.e2e
 def test_env_prints_the_fingerprint():
     out = repro("env")
     env = json.loads(out.stdout)
     assert {"torch", "python", "cuda", "gpu"} <= env.keys()
 
 
+@pytest.mark.e2e
 def test_help_of_every_command_prints():
     for command in ([], ["digest"], ["compare"], ["doctor"], ["report"], ["rerun"], ["env"]):
         out = repro(*command, "--help")

@@ -37,6 +37,7 @@ def runs(traced_runs):
     return traced_runs
 
 
+@pytest.mark.e2e
 def test_trace_holds_the_exact_values_and_digests(runs):
     run = runs["a"]
     records = trace(run.dir)
@@ -97,6 +98,7 @@ def test_background_digests_hash_the_state_as_submitted():
     check_background_digests("cpu")
 
 
+@pytest.mark.e2e
 def test_env_json_records_versions_flags_variables_git_and_config(runs):
     run = runs["a"]
     env = json.loads((run.dir / "env.json").read_text())
@@ -119,6 +121,7 @@ def test_env_json_records_versions_flags_variables_git_and_config(runs):
     assert "ONEDNN_MAX_CPU_ISA" in env["env_vars"] and "ATEN_CPU_CAPABILITY" in env["env_vars"]
 
 
+@pytest.mark.e2e
 def test_identical_runs_compare_equal_and_name_the_harmless_differences(runs):
     out = repro("compare", str(runs["a"].dir), str(runs["multi"].dir))
     assert out.returncode == 0, out.stdout
@@ -127,6 +130,7 @@ def test_identical_runs_compare_equal_and_name_the_harmless_differences(runs):
     assert "loader.num_workers: 0 vs 2" in out.stdout
 
 
+@pytest.mark.e2e
 def test_another_seed_differs_at_the_initial_weights(runs):
     out = repro("compare", str(runs["a"].dir), str(runs["seed1"].dir))
     assert out.returncode == 1
@@ -158,6 +162,7 @@ def test_a_perturbed_parameter_is_found_at_its_step(tmp_path):
     assert "a nondeterministic op? try `repro doctor`" in result.text()  # same config and env
 
 
+@pytest.mark.e2e
 def test_environment_differences_are_listed(runs, tmp_path):
     copy = shutil.copytree(runs["a"].dir, tmp_path / "elsewhere")
     env = json.loads((copy / "env.json").read_text())
@@ -179,6 +184,7 @@ def test_environment_differences_are_listed(runs, tmp_path):
     assert "env_vars.ATEN_CPU_CAPABILITY" not in out.stdout  # unset in both: not a difference
 
 
+@pytest.mark.e2e
 def test_runs_of_different_lengths_compare_over_the_common_prefix(runs, tmp_path):
     copy = shutil.copytree(runs["a"].dir, tmp_path / "short")
     lines = (copy / "trace.jsonl").read_text().splitlines(keepends=True)
@@ -190,6 +196,7 @@ def test_runs_of_different_lengths_compare_over_the_common_prefix(runs, tmp_path
     assert "last line cut short" in result.text()
 
 
+@pytest.mark.e2e
 def test_tolerance_mode_reports_the_largest_deviation(runs):
     a, b = str(runs["a"].dir), str(runs["seed1"].dir)
     loose = repro("compare", a, b, "--tolerance", "10")
@@ -203,6 +210,7 @@ def test_tolerance_mode_reports_the_largest_deviation(runs):
     assert tight.returncode == 1 and tight.stdout.startswith("outside tolerance 1e-06")
 
 
+@pytest.mark.e2e
 def test_missing_or_damaged_runs_are_one_clear_line(runs, tmp_path):
     missing = repro("compare", str(tmp_path / "nope"), str(runs["a"].dir))
     assert missing.returncode == 2
@@ -220,6 +228,7 @@ def test_missing_or_damaged_runs_are_one_clear_line(runs, tmp_path):
         assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
 
 
+@pytest.mark.e2e
 def test_a_run_without_steps_is_nothing_to_compare(runs, tmp_path):
     copy = shutil.copytree(runs["a"].dir, tmp_path / "init-only")
     first = (copy / "trace.jsonl").read_text().splitlines()[0]

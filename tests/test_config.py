@@ -1,5 +1,6 @@
 """The schema: composition, defaults, and one clear line for every bad value."""
 
+import shutil
 import subprocess
 
 import pytest
@@ -43,7 +44,18 @@ def test_defaults_are_as_documented():
 
 @pytest.mark.parametrize(
     "group",
-    ["determinism", "loader", "amp", "model", "data", "task", "optim", "schedule", "trainer"],
+    [
+        "determinism",
+        "loader",
+        "amp",
+        "model",
+        "data",
+        "task",
+        "optim",
+        "schedule",
+        "trainer",
+        "experiment",
+    ],
 )
 def test_every_option_of_every_group_composes(group):
     for option in sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")):
@@ -94,6 +106,7 @@ def test_range_and_relation_errors_name_the_key(overrides, key):
     assert key in message and "\n" not in message
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "override, expected",
     [
@@ -124,6 +137,7 @@ def test_cli_errors_are_one_line_and_stop_before_any_work(tmp_path, override, ex
     assert not run_dir.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "sweep, expected",
     [
@@ -168,3 +182,18 @@ def test_check_overrides_leaves_what_it_does_not_know_to_hydra():
         ConfigError, match="model=custom is not an option; allowed: convnet, resnet18"
     ):
         check_overrides(["model=custom"], CONF_DIR)
+
+
+def test_an_experiment_preset_sets_its_groups_and_keys_and_overrides_still_win(tmp_path):
+    from repro.config import compose as repro_compose
+
+    c = cfg("experiment=resnet18")
+    assert c.model._target_ == "repro.models.ResNet18" and c.amp.enabled
+    assert (c.trainer.batch_size, c.trainer.micro_batch_size) == (256, 128)
+    c = cfg("experiment=resnet18", "amp=off", "trainer.batch_size=512")
+    assert not c.amp.enabled and c.trainer.batch_size == 512
+    assert cfg().model._target_ == "repro.models.ConvNet"  # no preset by default
+    # a preset comes after train.yaml itself: it may set any key, the seed included
+    conf = shutil.copytree(CONF_DIR, tmp_path / "conf")
+    (conf / "experiment" / "seeded.yaml").write_text("# @package _global_\nseed: 7\n")
+    assert repro_compose(["experiment=seeded"], conf).seed == 7

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from conftest import ROOT, SMALL_DATA, train_here, user_env
@@ -25,6 +26,7 @@ def _hash_seed_in_effect(env_value, set_later=False):
     ).stdout.strip()
 
 
+@pytest.mark.e2e
 def test_hash_seed_check_tells_started_with_from_set_later():
     assert _hash_seed_in_effect("0") == "True"
     assert _hash_seed_in_effect("17") == "False"
@@ -32,6 +34,7 @@ def test_hash_seed_check_tells_started_with_from_set_later():
     assert _hash_seed_in_effect(None, set_later=True) == "False"  # too late to matter
 
 
+@pytest.mark.e2e
 def test_strict_re_executes_to_pin_the_environment(train_run):
     run = train_run("strict", *ONE, env=user_env(False))
     assert run.entry("re-executed to pin the environment")["value"] is True
@@ -49,6 +52,7 @@ def test_strict_re_executes_to_pin_the_environment(train_run):
     assert run.report["not_covered"]
 
 
+@pytest.mark.e2e
 def test_strict_refuses_to_run_without_the_environment(train_run):
     run = train_run(
         "nopin", *ONE, "determinism.pin_process_env=false", check=False, env=user_env(False)
@@ -62,11 +66,13 @@ def test_strict_refuses_to_run_without_the_environment(train_run):
     assert ok.entry("PYTHONHASHSEED")["verified"] is True
 
 
+@pytest.mark.e2e
 def test_tf32_override_is_removed_in_strict(train_run):
     run = train_run("tf32", *ONE, env=user_env(False, TORCH_ALLOW_TF32_CUBLAS_OVERRIDE="1"))
     assert run.entry("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE")["value"] is None
 
 
+@pytest.mark.e2e
 def test_a_job_of_a_sweep_does_not_inherit_the_previous_jobs_threads(tmp_path):
     """Jobs of a sweep share one process: job 1 (threads left to PyTorch) must not keep
     job 0's fixed thread count."""

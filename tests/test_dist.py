@@ -65,6 +65,7 @@ def runs(tmp_path_factory):
     return get
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_world_size_does_not_change_the_bits(runs, world_size):
     one, many = runs(1), runs(world_size)
@@ -74,6 +75,7 @@ def test_world_size_does_not_change_the_bits(runs, world_size):
     assert f"environment.world_size: 1 vs {world_size}" in env
 
 
+@pytest.mark.e2e
 def test_only_rank_0_writes_into_one_run_directory(runs, tmp_path):
     run = runs(2)
     assert sorted(p.name for p in (run.dir / ".hydra").iterdir()) == [
@@ -91,6 +93,7 @@ def test_only_rank_0_writes_into_one_run_directory(runs, tmp_path):
     assert not list(run.dir.rglob("*rank*"))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("world_size", [1, 4])
 def test_a_two_process_checkpoint_resumes_in_another_world_size(runs, tmp_path, world_size):
     # written by the 2-process run at step 10 (mid-epoch: 8 steps an epoch)
@@ -106,6 +109,7 @@ def test_a_two_process_checkpoint_resumes_in_another_world_size(runs, tmp_path, 
     assert_same_bits(resumed, runs(1))
 
 
+@pytest.mark.e2e
 def test_preempted_two_process_run_resumes_in_one_process_with_the_same_bits(runs, tmp_path):
     """SIGTERM to torchrun: every rank stops after the same step, rank 0 checkpoints, and
     the run resumes with one process to the uninterrupted run's bits."""
@@ -140,6 +144,7 @@ def test_preempted_two_process_run_resumes_in_one_process_with_the_same_bits(run
     assert metrics(resumed) == metrics(straight)
 
 
+@pytest.mark.e2e
 def test_batchnorm_running_statistics_do_not_depend_on_the_world_size(tmp_path):
     """ResNet-18 (BatchNorm) at width 8: the running buffers are folded in micro-batch order
     on every rank, so they too are the same bits."""
@@ -151,6 +156,7 @@ def test_batchnorm_running_statistics_do_not_depend_on_the_world_size(tmp_path):
     assert int(state["stem.1.num_batches_tracked"]) == 4 * 4  # 4 steps x 4 micro-batches
 
 
+@pytest.mark.e2e
 def test_a_world_size_that_cannot_split_the_step_is_one_line(tmp_path):
     run = run_train(
         tmp_path / "three",
@@ -167,6 +173,7 @@ def test_a_world_size_that_cannot_split_the_step_is_one_line(tmp_path):
     assert not (tmp_path / "three" / "checkpoints").exists()
 
 
+@pytest.mark.e2e
 def test_an_error_on_one_rank_stops_every_rank_with_its_message(tmp_path):
     run_dir = tmp_path / "fails"
     proc = subprocess.run(
@@ -194,6 +201,7 @@ def test_an_error_on_one_rank_stops_every_rank_with_its_message(tmp_path):
     assert not (run_dir / "summary.json").exists()
 
 
+@pytest.mark.e2e
 def test_a_sweep_under_torchrun_is_refused(tmp_path):
     proc = subprocess.run(
         train_cmd("-m", "seed=0,1", f"hydra.sweep.dir={tmp_path / 'sweep'}", nproc=2),

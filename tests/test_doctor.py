@@ -46,6 +46,7 @@ def test_names_the_op_without_a_deterministic_kernel_at_the_innermost_module():
     assert "replace each with a deterministic equivalent" in report.format()
 
 
+@pytest.mark.e2e
 def test_the_default_model_is_clean_and_the_command_says_so(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "repro", "doctor", *SMALL, "--repeats", "2"],
@@ -60,6 +61,7 @@ def test_the_default_model_is_clean_and_the_command_says_so(tmp_path):
     assert "not checked alone" not in out.stdout  # every module was re-run alone
 
 
+@pytest.mark.e2e
 def test_bad_overrides_are_one_line(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "repro", "doctor", "model=nope"],

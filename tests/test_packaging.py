@@ -1,5 +1,6 @@
 """Packaging: environment.yml and pyproject.toml agree; CI calls the README's test command."""
 
+import ast
 import re
 import tomllib
 
@@ -39,3 +40,40 @@ def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     assert "make test" in readme and "make train" in readme
     assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "tests" / "README.md"]
+
+
+def test_the_readme_fits_a_page_and_every_doc_link_resolves():
+    assert len((ROOT / "README.md").read_bytes()) <= 15_000
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
+            if not target.startswith(("http://", "https://")):
+                assert (doc.parent / target).exists(), f"{doc.name}: broken link {target}"
+
+
+def test_no_issue_numbers_in_code_or_docs():
+    files = [
+        *DOCS,
+        ROOT / "train.py",
+        *(ROOT / "src").rglob("*.py"),
+        *(ROOT / "conf").rglob("*.yaml"),
+    ]
+    files += [*(ROOT / "scripts").glob("*"), ROOT / "benchmarks" / "README.md"]
+    for f in files:
+        found = re.search(r"\bissues?[ -]?#?\d+", f.read_text(), re.IGNORECASE)
+        assert not found, f"{f.relative_to(ROOT)}: {found.group(0)}"
+
+
+def test_no_function_in_the_package_is_longer_than_100_lines():
+    for path in (ROOT / "src" / "repro").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                assert length <= 100, f"{path.name}:{node.lineno} {node.name}: {length} lines"
+
+
+def test_the_package_and_scripts_do_not_edit_sys_path():
+    for path in [*(ROOT / "src").rglob("*.py"), *(ROOT / "scripts").glob("*.py")]:
+        assert "sys.path" not in path.read_text(), path.name

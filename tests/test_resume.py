@@ -104,6 +104,7 @@ def assert_same_as(run: Run, reference: Run) -> None:
     assert result.lines[0].startswith(f"identical: {STEPS} steps")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_sigkill_then_resume_gives_the_uninterrupted_bits(scenario, straight, tmp_path):
     overrides = SCENARIOS[scenario]
@@ -117,6 +118,7 @@ def test_sigkill_then_resume_gives_the_uninterrupted_bits(scenario, straight, tm
     assert_same_as(resumed, straight(scenario))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_preemption_signal_checkpoints_at_the_step_boundary_and_exits_75(sig, straight, tmp_path):
     overrides = SCENARIOS["mid-epoch"]
@@ -131,6 +133,7 @@ def test_preemption_signal_checkpoints_at_the_step_boundary_and_exits_75(sig, st
     assert_same_as(resumed, straight("mid-epoch"))
 
 
+@pytest.mark.e2e
 def test_a_crash_between_write_and_rename_leaves_the_previous_checkpoint(straight, tmp_path):
     """The process dies (os._exit) after step 30's checkpoint was written and fsynced but
     before its rename: the temporary file is left, step 20's checkpoint is intact."""
@@ -191,6 +194,7 @@ def garble_checksum(path: Path) -> None:
     sidecar(path).write_bytes(b"\xff\xfe\x00 not text")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "damage, message",
     [
@@ -222,6 +226,7 @@ class Payload:
         return (open, (str(self.marker), "w"))
 
 
+@pytest.mark.e2e
 def test_a_checkpoint_carrying_code_is_refused_and_the_code_does_not_run(killed, tmp_path):
     run_dir = shutil.copytree(killed, tmp_path / "run")
     marker = tmp_path / "pwned"
@@ -243,6 +248,7 @@ def test_a_checkpoint_carrying_code_is_refused_and_the_code_does_not_run(killed,
     assert not marker.exists()
 
 
+@pytest.mark.e2e
 def test_a_foreign_checkpoint_is_refused_with_the_differences_unless_forced(killed, tmp_path):
     other = SCENARIOS["mid-epoch"] + ["seed=1", "amp=on"]
     source = checkpoint_path(killed, 20)
@@ -264,6 +270,7 @@ def test_a_foreign_checkpoint_is_refused_with_the_differences_unless_forced(kill
     assert '"forced": ["amp.enabled' in trace  # the mismatch is in the trace, at step 21
 
 
+@pytest.mark.e2e
 def test_a_checkpoint_from_another_environment_is_refused(killed, tmp_path):
     run_dir = shutil.copytree(killed, tmp_path / "run")
     path = checkpoint_path(run_dir, 20)
@@ -279,6 +286,7 @@ def test_a_checkpoint_from_another_environment_is_refused(killed, tmp_path):
     assert "device: cuda (checkpoint) vs cpu (now)" in message
 
 
+@pytest.mark.e2e
 def test_a_cpu_checkpoint_from_another_instruction_set_is_refused(killed, tmp_path):
     """On a CPU the kernels dispatch by instruction set (AVX2, AVX-512, AMX): another one
     gives other bits, so a resume across it is refused like any other environment change."""
@@ -299,12 +307,14 @@ def test_a_cpu_checkpoint_from_another_instruction_set_is_refused(killed, tmp_pa
     )
 
 
+@pytest.mark.e2e
 def test_resume_from_another_run_directory_continues_its_logs(killed, straight, tmp_path):
     resumed = train_here(tmp_path / "new", *SCENARIOS["mid-epoch"], f"trainer.resume={killed}")
     assert resumed.summary["resumes"][0]["step"] == 20
     assert_same_as(resumed, straight("mid-epoch"))
 
 
+@pytest.mark.e2e
 def test_keeps_the_newest_checkpoints_and_never_overwrites_a_run(straight):
     run = straight("mid-epoch")
     kept = sorted(p.name for p in (run.dir / "checkpoints").glob("step-*.pt"))
@@ -316,6 +326,7 @@ def test_keeps_the_newest_checkpoints_and_never_overwrites_a_run(straight):
     assert metrics(run.dir) == before
 
 
+@pytest.mark.e2e
 def test_resume_demo_script_prints_two_equal_digests(tmp_path):
     out = subprocess.run(
         # train.py overrides after --: smaller data than the default run's
@@ -334,6 +345,7 @@ def test_resume_demo_script_prints_two_equal_digests(tmp_path):
     assert "PASS: identical bits" in out.stdout
 
 
+@pytest.mark.e2e
 def test_resuming_a_finished_run_changes_nothing(straight):
     run = straight("mid-epoch")
     before = {p: (run.dir / p).read_bytes() for p in ("summary.json", "metrics.csv", "trace.jsonl")}
@@ -355,6 +367,7 @@ def test_rotation_keeps_the_newest_and_the_last_good_checkpoint(tmp_path):
     assert not sidecar(checkpoint_path(tmp_path, 10)).exists()
 
 
+@pytest.mark.e2e
 def test_sigusr2_is_handed_to_a_launcher_that_listens_after_the_checkpoint(straight, tmp_path):
     """What submitit (hydra/launcher=slurm) does: its SIGUSR2 handler requeues the job.
     The loop catches SIGUSR2 only when such a handler exists, checkpoints at the step
@@ -392,6 +405,7 @@ def test_sigusr2_is_handed_to_a_launcher_that_listens_after_the_checkpoint(strai
     assert_same_as(resumed, straight("mid-epoch"))
 
 
+@pytest.mark.e2e
 def test_resuming_into_another_run_or_a_pruned_run_is_refused(killed, straight, tmp_path):
     run = straight("mid-epoch")
     before = metrics(run.dir)
@@ -404,6 +418,7 @@ def test_resuming_into_another_run_or_a_pruned_run_is_refused(killed, straight, 
     assert metrics(run.dir) == before == metrics(pruned)
 
 
+@pytest.mark.e2e
 def test_a_run_killed_after_its_last_checkpoint_gets_its_summary(straight, tmp_path):
     run = straight("mid-epoch")
     copy = shutil.copytree(run.dir, tmp_path / "end")

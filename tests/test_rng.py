@@ -38,6 +38,7 @@ def test_derive_seed_separates_purposes_and_counters():
     assert all(0 <= s < 2**63 for s in seeds)
 
 
+@pytest.mark.e2e
 def test_derive_seed_does_not_depend_on_hash_randomization():
     code = "from repro.rng import derive_seed; print(derive_seed(7, 'order', 2))"
     outs = {

@@ -21,6 +21,7 @@ def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
     return out
 
 
+@pytest.mark.e2e
 def test_benchmark_writes_a_table_with_strict_and_fast(tmp_path):
     run_script(
         "benchmark.py",
@@ -52,6 +53,7 @@ def test_benchmark_writes_a_table_with_strict_and_fast(tmp_path):
     assert "| convnet | fp32 | single |" in table and "% of bf16 ceiling" in table
 
 
+@pytest.mark.e2e
 def test_dist_benchmark_compares_reductions_and_ddp_across_world_sizes(tmp_path):
     run_script(
         "dist_benchmark.py",
@@ -79,6 +81,7 @@ def test_dist_benchmark_compares_reductions_and_ddp_across_world_sizes(tmp_path)
     assert "| 2 | ordered |" in next(tmp_path.glob("dist-*.md")).read_text()
 
 
+@pytest.mark.e2e
 def test_profile_step_reports_where_a_steps_time_goes(tmp_path):
     out = run_script(
         "profile_step.py",
@@ -108,6 +111,7 @@ def test_profile_step_reports_where_a_steps_time_goes(tmp_path):
     assert "| `aten::convolution_backward` | 10 |" in text
 
 
+@pytest.mark.e2e
 @pytest.mark.lightning
 def test_benchmark_runs_the_lightning_peer_beside_strict(tmp_path):
     pytest.importorskip("lightning", reason="needs Lightning (pip install -e '.[bench]')")
@@ -137,6 +141,7 @@ def test_benchmark_runs_the_lightning_peer_beside_strict(tmp_path):
     assert "| strict / Lightning |" in table and "seed_everything(workers=True)" in table
 
 
+@pytest.mark.e2e
 def test_profile_step_refuses_a_window_without_warm_up():
     out = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "profile_step.py"), "--warmup", "0"],

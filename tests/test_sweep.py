@@ -58,6 +58,7 @@ def sequential(tmp_path_factory):
     return sweep_dir
 
 
+@pytest.mark.e2e
 def test_report_gives_a_table_and_the_distribution_per_group(sequential):
     out = repro("report", str(sequential))
     assert out.returncode == 0, out.stderr
@@ -82,6 +83,7 @@ def test_report_gives_a_table_and_the_distribution_per_group(sequential):
         assert (sequential / png).stat().st_size > 10_000
 
 
+@pytest.mark.e2e
 def test_a_failed_job_is_reported_and_the_others_still_are(tmp_path):
     proc, sweep_dir = sweep(
         tmp_path, "model._target_=sweep_models.FailsForSeed", "+model.fail_seed=1", "seed=0,1,2"
@@ -96,6 +98,7 @@ def test_a_failed_job_is_reported_and_the_others_still_are(tmp_path):
     assert "(Student t, n=2, df=1, t=12.706)" in out.stdout
 
 
+@pytest.mark.e2e
 def test_parallel_launcher_gives_the_sequential_bits(sequential, tmp_path):
     proc, sweep_dir = sweep(tmp_path, "optim.lr=0.05,0.1", "seed=0,1,2", "hydra/launcher=parallel")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -103,6 +106,7 @@ def test_parallel_launcher_gives_the_sequential_bits(sequential, tmp_path):
     assert digests(sweep_dir) == digests(sequential)  # job by job, 6 digests
 
 
+@pytest.mark.e2e
 def test_rerun_one_job_alone_gives_its_bits(sequential):
     job = next(sequential.glob("4_*"))
     out = repro("rerun", str(job))
@@ -113,6 +117,7 @@ def test_rerun_one_job_alone_gives_its_bits(sequential):
     assert json.loads((rerun_dir / "summary.json").read_text())["weights_sha256"] == weights
 
 
+@pytest.mark.e2e
 def test_report_without_matplotlib_still_writes_the_text(sequential, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     copy = tmp_path / "copy"
@@ -124,6 +129,7 @@ def test_report_without_matplotlib_still_writes_the_text(sequential, tmp_path, m
     assert not list(copy.glob("*.png")) and (copy / "report.json").is_file()
 
 
+@pytest.mark.e2e
 def test_report_errors_are_one_line(tmp_path):
     out = repro("report", str(tmp_path / "nope"))
     assert out.returncode == 2 and out.stderr.strip().endswith("no such sweep directory.")
@@ -152,6 +158,7 @@ def test_outliers_beyond_two_sd_are_flagged():
     assert [f["seed"] for f in flagged] == [6] and flagged[0]["z"] < -2
 
 
+@pytest.mark.e2e
 def test_a_diverged_seed_does_not_break_the_report(sequential, tmp_path):
     copy = tmp_path / "nan"
     subprocess.run(["cp", "-r", str(sequential), str(copy)], check=True)
@@ -172,6 +179,7 @@ def test_a_diverged_seed_does_not_break_the_report(sequential, tmp_path):
     assert group["metrics"]["val_accuracy"]["n"] == 3
 
 
+@pytest.mark.e2e
 def test_resumed_jobs_stay_in_their_group(sequential, tmp_path):
     copy = tmp_path / "resumed"
     subprocess.run(["cp", "-r", str(sequential), str(copy)], check=True)

@@ -22,6 +22,7 @@ def strict_runs(traced_runs):
     return traced_runs
 
 
+@pytest.mark.e2e
 def test_strict_twice_gives_identical_bits(strict_runs):
     a, b = strict_runs["a"], strict_runs["b"]
     assert SUMMARY_KEYS <= a.summary.keys()
@@ -31,6 +32,7 @@ def test_strict_twice_gives_identical_bits(strict_runs):
     assert a.summary["final_loss"] == b.summary["final_loss"]
 
 
+@pytest.mark.e2e
 def test_loader_workers_do_not_change_the_bits(strict_runs):
     a, multi = strict_runs["a"], strict_runs["multi"]
     assert multi.summary["num_workers"] == 2 and a.summary["num_workers"] == 0
@@ -38,6 +40,7 @@ def test_loader_workers_do_not_change_the_bits(strict_runs):
     assert multi.losses == a.losses
 
 
+@pytest.mark.e2e
 def test_seeds_change_the_bits_and_zero_is_a_seed(strict_runs):
     a, one = strict_runs["a"], strict_runs["seed1"]
     assert a.summary["seed"] == 0 and one.summary["seed"] == 1
@@ -48,6 +51,7 @@ def test_seeds_change_the_bits_and_zero_is_a_seed(strict_runs):
     assert one.entry("seed torch")["value"] == derive_seed(1, "global", 2)
 
 
+@pytest.mark.e2e
 def test_run_directory_holds_config_report_metrics_checkpoint_summary(strict_runs):
     d = strict_runs["a"].dir
     for name in (
@@ -81,6 +85,7 @@ def test_fast_and_amp_run_and_report_what_they_set(tmp_path):
     assert fp16.summary["weights_sha256"] != amp.summary["weights_sha256"]
 
 
+@pytest.mark.e2e
 def test_multirun_makes_one_directory_per_seed_named_by_seed(tmp_path):
     proc = subprocess.run(
         train_cmd("-m", "seed=0,1", *TINY),
@@ -95,6 +100,7 @@ def test_multirun_makes_one_directory_per_seed_named_by_seed(tmp_path):
     assert jobs == ["0_seed=0", "1_seed=1"]
 
 
+@pytest.mark.e2e
 def test_default_run_learns(train_run):
     """`make train`'s config, default loader included: accuracy well above chance (10
     classes)."""
@@ -106,12 +112,14 @@ def test_default_run_learns(train_run):
     assert run.summary["weights_sha256"] in run.output and "val accuracy" in run.output
 
 
+@pytest.mark.e2e
 def test_make_help_lists_the_targets():
     out = subprocess.run(["make", "-s", "help"], cwd=ROOT, capture_output=True, text=True).stdout
     for target in ("help", "install", "train", "test", "lint", "clean"):
         assert f"make {target} " in out
 
 
+@pytest.mark.e2e
 def test_two_sweeps_in_the_same_second_do_not_collide(tmp_path):
     """The configured sweep dir with its date and time frozen (as if both started in the same
     second): what is left of the pattern must still keep the two sweeps apart."""
@@ -136,6 +144,7 @@ def test_two_sweeps_in_the_same_second_do_not_collide(tmp_path):
     assert len(jobs) == 2 and jobs[0].parent != jobs[1].parent
 
 
+@pytest.mark.e2e
 def test_a_model_added_by_one_module_and_one_yaml(tmp_path):
     """The README's recipe: a module on the path and a YAML in a config group; no loop edit."""
     (tmp_path / "mylab").mkdir()

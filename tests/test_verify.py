@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, user_env
 
 
@@ -16,6 +18,7 @@ def verify(tmp_path, *args, env=None):
     )
 
 
+@pytest.mark.e2e
 def test_verify_passes_for_the_default_config(tmp_path):
     out = verify(tmp_path / "v", "--steps", "10")
     assert out.returncode == 0, out.stdout + out.stderr
@@ -24,6 +27,7 @@ def test_verify_passes_for_the_default_config(tmp_path):
     assert out.stdout.rstrip().endswith("verify: PASS (2/2 checks)")
 
 
+@pytest.mark.e2e
 def test_verify_fails_for_a_model_that_draws_unseeded_randomness(tmp_path):
     env = user_env(
         PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
@@ -42,6 +46,7 @@ def test_verify_fails_for_a_model_that_draws_unseeded_randomness(tmp_path):
     assert out.stdout.rstrip().endswith("verify: FAIL (0/2 checks)")
 
 
+@pytest.mark.e2e
 def test_verify_does_not_overwrite_an_existing_directory(tmp_path):
     (tmp_path / "v").mkdir()
     (tmp_path / "v" / "keep.txt").write_text("mine")

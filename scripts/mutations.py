@@ -1,0 +1,175 @@
+#!/usr/bin/env python
+"""Does the test suite catch the bugs it exists to catch? Apply each mutation listed in
+tests/README.md to a copy of the source, run the tests that must catch it, and say CAUGHT
+(every one of them fails) or MISSED.
+
+    python scripts/mutations.py            # all mutations (about 2 minutes on 2 cores)
+    python scripts/mutations.py --list     # the mutations and their tests
+    python scripts/mutations.py sampler    # one, by name
+
+The copy lives in a temporary directory; the checkout is never modified. Exit status 0 when
+every mutation is caught, 1 when one is missed, 2 when a mutation no longer applies (the code
+it patches has changed: update MUTATIONS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Mutation:
+    name: str
+    what: str
+    file: str  # relative to the project root
+    old: str  # replaced once; it must occur exactly once
+    new: str
+    tests: list[str]  # each must fail with the mutation (and pass without it)
+
+
+MUTATIONS = [
+    Mutation(
+        "sampler",
+        "the sampler's start_step forced to 0 (a resumed run replays the first steps' data)",
+        "src/repro/data.py",
+        "self.seed, self.start_step = seed, start_step",
+        "self.seed, self.start_step = seed, 0",
+        [
+            "tests/test_data.py::test_sampler_is_a_pure_function_of_the_step",
+            "tests/test_resume.py::test_sigkill_then_resume_gives_the_uninterrupted_bits[mid-epoch]",
+        ],
+    ),
+    Mutation(
+        "flip",
+        "an un-keyed random flip (drawn from the process's global generator)",
+        "src/repro/data.py",
+        "flip = bool(torch.randint(0, 2, (1,), generator=generator))",
+        "flip = bool(torch.randint(0, 2, (1,)))",
+        [
+            "tests/test_data.py::test_loader_output_does_not_depend_on_worker_count[2-workers]",
+            "tests/test_train.py::test_loader_workers_do_not_change_the_bits",
+        ],
+    ),
+    Mutation(
+        "sequential-sum",
+        "the tree reduction replaced by a sequential sum",
+        "src/repro/reduction.py",
+        "    if hi - lo == 1:\n        return leaf(lo)\n",
+        "    total = leaf(lo)\n    for k in range(lo + 1, hi):\n        total = add(total, leaf(k))\n"
+        "    return total\n",
+        [
+            "tests/test_loop.py::test_tree_shape_is_fixed_and_halves_at_the_midpoint",
+            "tests/test_dist.py::test_world_size_does_not_change_the_bits[2]",
+        ],
+    ),
+    Mutation(
+        "rng-restore",
+        "the global RNG states not restored on resume",
+        "src/repro/checkpoint.py",
+        '        set_global_rng_states(state["rng"])\n',
+        "",
+        [
+            "tests/test_resume.py::"
+            "test_third_party_randomness_resumes_exactly_because_the_rng_states_are_restored",
+        ],
+    ),
+]
+
+
+def copy_project(dest: Path) -> None:
+    ignore = shutil.ignore_patterns(
+        ".venv", ".git", "outputs", "multirun", "benchmarks", "__pycache__", "*.egg-info"
+    )
+    shutil.copytree(ROOT, dest, ignore=ignore)
+
+
+def run_tests(project: Path, tests: list[str]) -> dict[str, bool]:
+    """{test: passed} for the given node ids, run in ``project`` with its src/ first."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(project / "src"), str(project / "tests")]),
+    }
+    report = project / "junit.xml"
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+         *tests],
+        cwd=project,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    import xml.etree.ElementTree as ET
+
+    results = {}
+    for case in ET.parse(report).iter("testcase"):
+        failed = any(child.tag in ("failure", "error") for child in case)
+        skipped = any(child.tag == "skipped" for child in case)
+        node = f"{case.get('classname').replace('.', '/')}.py::{case.get('name')}"
+        results[node] = not failed and not skipped
+    report.unlink()
+    return results
+
+
+def check(m: Mutation, base: Path) -> bool | None:
+    """True: caught by every listed test; False: missed; None: does not apply."""
+    project = base / m.name
+    copy_project(project)
+    path = project / m.file
+    text = path.read_text()
+    if text.count(m.old) != 1:
+        return None
+    path.write_text(text.replace(m.old, m.new))
+    results = run_tests(project, m.tests)
+    caught = [t for t in m.tests if results.get(t) is False]
+    for t in m.tests:
+        print(f"    {'fails (caught)' if t in caught else 'PASSES (missed)':<16} {t}")
+    return len(caught) == len(m.tests)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("names", nargs="*", help="mutations to check (default: all)")
+    p.add_argument("--list", action="store_true", help="list the mutations and exit")
+    args = p.parse_args()
+    chosen = [m for m in MUTATIONS if not args.names or m.name in args.names]
+    unknown = set(args.names) - {m.name for m in MUTATIONS}
+    if unknown:
+        p.error(f"unknown mutation(s): {', '.join(sorted(unknown))}")
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}: {m.what}\n  " + "\n  ".join(m.tests))
+        return 0
+    status = 0
+    with tempfile.TemporaryDirectory(prefix="repro-mutations-") as tmp:
+        print("without mutations (the tests must pass):")
+        copy_project(Path(tmp) / "clean")
+        clean = run_tests(Path(tmp) / "clean", [t for m in chosen for t in m.tests])
+        if not all(clean.values()) or not clean:
+            print("  some fail already: " + ", ".join(t for t, ok in clean.items() if not ok))
+            return 2
+        print(f"  {len(clean)} tests pass")
+        for m in chosen:
+            print(f"{m.name}: {m.what}")
+            verdict = check(m, Path(tmp))
+            if verdict is None:
+                print(f"  DOES NOT APPLY: {m.file} no longer holds the code it patches")
+                status = 2
+            else:
+                print(f"  {'CAUGHT' if verdict else 'MISSED'}")
+                status = status or (0 if verdict else 1)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
