@@ -1,5 +1,6 @@
 """End to end, as a user runs it: the same bits twice, whatever the loader; seeds matter."""
 
+import multiprocessing
 import os
 import re
 import subprocess
@@ -7,7 +8,15 @@ import subprocess
 import pytest
 import yaml
 
-from conftest import ROOT, SMALL_DATA, run_train, train_cmd, train_here, user_env
+from conftest import (
+    ROOT,
+    SMALL_DATA,
+    run_train,
+    train_cmd,
+    train_here,
+    user_env,
+    with_tests_on_path,
+)
 from repro.rng import derive_seed
 
 SUMMARY_KEYS = {"weights_sha256", "steps", "final_loss", "val_accuracy", "seed", "device"}
@@ -176,3 +185,27 @@ def test_a_model_added_by_one_module_and_one_yaml(tmp_path):
     )
     assert "TinyMLP" in run.output
     assert run.summary["steps"] == 3
+
+
+def test_an_error_mid_run_leaves_no_loader_worker_behind(tmp_path):
+    """The workers ignore SIGTERM (pre-emption is the main process's to handle), so one left
+    alive after an error would hold the process at exit forever: the loop stops them."""
+    failing = ["model._target_=sweep_models.FailsOnRank", "+model.fail_rank=0"]
+    with pytest.raises(RuntimeError, match="this rank's forward fails") as error:
+        train_here(tmp_path / "x", *TINY, "trainer.max_steps=8", "loader=multi", *failing)
+    # the traceback still holds the loop's frame (and its loader), as at a process's exit
+    assert error.traceback and multiprocessing.active_children() == []
+
+
+@pytest.mark.e2e
+def test_an_error_mid_run_ends_the_process_with_the_default_loader(tmp_path):
+    failing = ["model._target_=sweep_models.FailsOnRank", "+model.fail_rank=0"]
+    proc = subprocess.run(
+        train_cmd(f"hydra.run.dir={tmp_path / 'x'}", *TINY, "trainer.max_steps=8", *failing),
+        cwd=tmp_path,
+        env=with_tests_on_path(),
+        capture_output=True,
+        text=True,
+        timeout=120,  # it hung forever before the loop stopped its workers
+    )
+    assert proc.returncode == 1 and "this rank's forward fails" in proc.stderr

@@ -17,6 +17,7 @@ import math
 import multiprocessing
 import signal
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -424,6 +425,21 @@ def make_train_loader(
         generator=keyed_generator(seed, "loader"),
         **extra,
     )
+
+
+@contextmanager
+def loading(loader: DataLoader | DeviceBatches) -> Iterator[Iterator]:
+    """Iterate ``loader``; on the way out (the last step, an error, pre-emption) stop its
+    worker processes. They ignore SIGTERM, which is the main process's to handle, so none may
+    outlive the run: multiprocessing's exit handler sends them SIGTERM and then waits for
+    them, forever (an error in the middle of a run hung the process that way)."""
+    batches = iter(loader)
+    try:
+        yield batches
+    finally:
+        shutdown = getattr(batches, "_shutdown_workers", None)  # a multi-worker DataLoader
+        if shutdown is not None:
+            shutdown()
 
 
 class DeviceNormalizer:

@@ -42,7 +42,7 @@ from repro.checkpoint import (
     sidecar,
 )
 from repro.config import config_hash, resolved_container, validate
-from repro.data import DeviceNormalizer
+from repro.data import DeviceNormalizer, loading
 from repro.determinism import DeterminismReport, apply_determinism
 from repro.dist import World, broadcast_object, on_main
 from repro.dist import init as init_world
@@ -101,9 +101,13 @@ def train(
     )
     tracer = StepTracer(bool(t.trace), int(t.trace_every), max_steps, world)
     clock = Throughput(start, max_steps, training.batch_size, run.device)
-    batches = iter(loader)
     training.model.train()
-    with Preemption(world, max_steps) as preemption, logs, closing(tracer):
+    with (
+        Preemption(world, max_steps) as preemption,
+        logs,
+        closing(tracer),
+        loading(loader) as batches,
+    ):
         for step in range(start, max_steps):
             done = step + 1
             raw = [next(batches) for _ in range(count)]  # this rank's micro-batches
