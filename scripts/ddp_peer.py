@@ -36,7 +36,7 @@ from repro.build import (
     build_task,
 )
 from repro.config import compose
-from repro.data import DeviceNormalizer
+from repro.data import DeviceNormalizer, loading
 from repro.determinism import apply_determinism
 from repro.dist import device_for, launched_world
 from repro.reduction import check_split, share
@@ -81,25 +81,25 @@ def main() -> None:
     loader = build_loader(cfg, splits, device, shard=(first, count))
     normalize = DeviceNormalizer(splits, device)
     precision = Precision(cfg.amp, device)
-    batches = iter(loader)
-    warm, marks = 10, {}
-    for step in range(args.steps):
-        for j in range(count):
-            images, labels = normalize(*next(batches))
-            seed_forward(device, int(cfg.seed), step, first + j)
-            sync = contextlib.nullcontext() if j == count - 1 else ddp.no_sync()
-            with sync:
-                with precision.autocast():
-                    logits = ddp(images)
-                loss = task.loss(logits, labels)  # summed over the micro-batch, as train.py's
-                (loss * world.size / int(t.batch_size)).backward()
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step + 1 in (warm, args.steps):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            marks[step + 1] = time.perf_counter()
+    with loading(loader) as batches:  # its workers stopped on the way out, error or not
+        warm, marks = 10, {}
+        for step in range(args.steps):
+            for j in range(count):
+                images, labels = normalize(*next(batches))
+                seed_forward(device, int(cfg.seed), step, first + j)
+                sync = contextlib.nullcontext() if j == count - 1 else ddp.no_sync()
+                with sync:
+                    with precision.autocast():
+                        logits = ddp(images)
+                    loss = task.loss(logits, labels)  # summed over the micro-batch, as train.py's
+                    (loss * world.size / int(t.batch_size)).backward()
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            if step + 1 in (warm, args.steps):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                marks[step + 1] = time.perf_counter()
     rate = (args.steps - warm) * int(t.batch_size) / (marks[args.steps] - marks[warm])
     if world.main:
         weights = state_dict_sha256(model.state_dict())

@@ -24,9 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _results import command_line, environment_line, result_stem, today
 
-from _results import command_line, environment_line, result_stem, today  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = "REPRO_PROFILE_CHILD"
 

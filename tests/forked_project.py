@@ -53,3 +53,20 @@ class NumpyNoiseNet(TinyNet):
     def forward(self, x):
         noise = np.random.standard_normal(tuple(x.shape[1:])).astype(np.float32)
         return super().forward(x + 0.1 * torch.from_numpy(noise).to(x.device))
+
+
+class LossHeadline(Classification):
+    """Classification led by its loss: what summary.json, repro report and compare
+    --tolerance lead with follows the task."""
+
+    headline = "val_loss"
+    higher_is_better = False
+
+
+class MisnamedHeadline(Classification):
+    headline = "val_f1"  # not one of Classification's metrics
+
+
+class UnprefixedMetric(Classification):
+    def metrics(self, totals):
+        return {**super().metrics(totals), "accuracy": 0.0}

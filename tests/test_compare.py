@@ -14,6 +14,7 @@ import torch
 from conftest import SHORT, SMALL_DATA, train_here, user_env
 from repro.checkpoint import checkpoint_path
 from repro.compare import compare_dirs
+from repro.fingerprint import ISA_FLAG
 from repro.trace import BackgroundDigests, state_digests
 
 
@@ -114,9 +115,7 @@ def test_env_json_records_versions_flags_variables_git_and_config(runs):
     # the CPU's instruction set: the kernels of a CPU run dispatch by it
     assert env["environment"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     isa = env["environment"]["cpu_isa"]
-    assert isa is None or (
-        isa == sorted(isa) and all(f.startswith(("avx", "amx", "f")) for f in isa)
-    )
+    assert isa is None or (isa == sorted(isa) and all(ISA_FLAG.fullmatch(f) for f in isa))
     assert env["environment"]["cpu_dispatch_limits"] == {}  # no variable caps it here
     assert "ONEDNN_MAX_CPU_ISA" in env["env_vars"] and "ATEN_CPU_CAPABILITY" in env["env_vars"]
 
@@ -236,3 +235,15 @@ def test_a_run_without_steps_is_nothing_to_compare(runs, tmp_path):
     for args in ([], ["--tolerance", "1"]):
         out = repro("compare", str(runs["a"].dir), str(copy), *args)
         assert out.returncode == 1 and out.stdout.startswith("nothing to compare")
+
+
+@pytest.mark.e2e
+def test_tolerance_fails_when_a_run_has_no_evaluation_of_the_headline(runs, tmp_path):
+    copy = shutil.copytree(runs["a"].dir, tmp_path / "no-eval")
+    records = [json.loads(line) for line in (copy / "trace.jsonl").read_text().splitlines()]
+    for r in records:
+        r.pop("eval", None)
+    (copy / "trace.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    result = compare_dirs(runs["a"].dir, copy, tolerance=10)
+    assert not result.identical and result.lines[0].startswith("outside tolerance 10")
+    assert f"val_accuracy (the headline): no evaluation in {copy} to compare" in result.text()

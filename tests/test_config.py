@@ -123,6 +123,12 @@ def test_range_and_relation_errors_name_the_key(overrides, key):
             "determinism.cpu_threads=x",
             "determinism.cpu_threads='x' is invalid; allowed: null or an integer.",
         ),
+        # checked before strict mode re-executes the process with it (an interpreter would
+        # refuse to start with PYTHONHASHSEED=abc)
+        (
+            "determinism.pythonhashseed=abc",
+            "determinism.pythonhashseed='abc' is invalid; allowed: 'random' or an integer",
+        ),
     ],
 )
 def test_cli_errors_are_one_line_and_stop_before_any_work(tmp_path, override, expected):

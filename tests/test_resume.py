@@ -447,3 +447,53 @@ def test_third_party_randomness_resumes_exactly_because_the_rng_states_are_resto
     assert resumed.summary["resumes"][0]["step"] == 5
     assert resumed.summary["weights_sha256"] == straight.summary["weights_sha256"]
     assert metrics(resumed.dir) == metrics(straight.dir)
+
+
+@pytest.mark.e2e
+def test_a_checkpoint_from_before_the_optimizer_was_a_target_resumes(killed, straight, tmp_path):
+    """Checkpoints written before the optimizer and the schedule were _target_s, and before
+    tasks and the CPU's instruction set were recorded, hold the same settings in the old
+    shape: they resume, to the same bits."""
+    run_dir = shutil.copytree(killed, tmp_path / "run")
+    path = checkpoint_path(run_dir, 20)
+    state = torch.load(path, weights_only=True)
+    config = state["config"]
+    config["optim"] = {
+        "name": "sgd",
+        "lr": 0.05,
+        "momentum": 0.9,
+        "nesterov": True,
+        "weight_decay": 5e-4,
+        "betas": [0.9, 0.999],
+        "eps": 1e-8,
+        "implementation": "foreach",
+        "schedule": "cosine",
+        "warmup_steps": 20,
+    }
+    del config["schedule"], config["task"]
+    for key in ("cpu_capability", "cpu_isa", "cpu_dispatch_limits"):
+        del state["environment"][key]
+    save_checkpoint(path, state)
+    resumed = resume(run_dir, SCENARIOS["mid-epoch"])
+    assert resumed.summary["resumes"][0]["step"] == 20
+    assert resumed.summary["resumes"][0]["forced"] == []
+    assert_same_as(resumed, straight("mid-epoch"))
+
+
+def test_the_cpu_instruction_set_decides_a_cpu_resume_not_a_gpu_one():
+    from repro.checkpoint import mismatches
+
+    env = {"torch": "2.13.0", "cpu_capability": "AVX512", "cpu_isa": ["avx2", "avx512f"]}
+    env["cpu_dispatch_limits"] = {}
+    other_isa = {**env, "cpu_isa": ["avx2", "avx512f", "amx_tile"]}
+    other_capability = {**env, "cpu_capability": "AVX2"}
+    cfg = {"task": {"_target_": "repro.tasks.Classification"}}
+    on_cpu = {"config": cfg, "device": "cpu", "environment": env}
+    on_gpu = {**on_cpu, "device": "cuda"}
+    assert mismatches(on_cpu, cfg, env, "cpu") == []
+    assert mismatches(on_cpu, cfg, other_isa, "cpu") == [
+        "environment.cpu_isa: ['avx2', 'avx512f'] (checkpoint) vs "
+        "['avx2', 'avx512f', 'amx_tile'] (now)"
+    ]
+    assert mismatches(on_gpu, cfg, other_capability, "cuda") == []  # the GPU computes the step
+    assert mismatches(on_gpu, cfg, other_isa, "cuda") == []

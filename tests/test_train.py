@@ -209,3 +209,15 @@ def test_an_error_mid_run_ends_the_process_with_the_default_loader(tmp_path):
         timeout=120,  # it hung forever before the loop stopped its workers
     )
     assert proc.returncode == 1 and "this rank's forward fails" in proc.stderr
+
+
+def test_a_new_run_does_not_keep_an_earlier_attempts_eval_rows(tmp_path):
+    """resume=auto where an earlier attempt died before its first checkpoint: the run starts
+    at step 0, and its eval.csv holds its own evaluations only."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "eval.csv").write_text("step,val_loss,val_accuracy\n4,9.0,0.0\n8,9.0,0.0\n")
+    run = train_here(run_dir, *TINY, "trainer.eval_every=2", "trainer.resume=auto")
+    rows = (run_dir / "eval.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows] == ["step", "2", "4"]
+    assert rows[-1].endswith(repr(run.summary["val_accuracy"]))

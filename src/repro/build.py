@@ -11,7 +11,7 @@ the run already knows, only the keys its signature takes (:func:`instantiate_tar
 A key the config sets itself is not overridden. A target that takes ``**kwargs`` gets
 ``num_classes`` (torchvision's and timm's model constructors take it that way) but not
 ``in_channels``, whose name differs between model zoos (timm: ``in_chans``): set it in the
-YAML. So ``model._target_=torchvision.models.resnet18`` is one line.
+YAML. So a zoo model is a one-line YAML, ``_target_: torchvision.models.resnet18``.
 
 The loop, ``repro doctor`` and the scripts build through here, never through the loop.
 """
@@ -123,13 +123,27 @@ def build_optimizer(cfg: DictConfig, model: nn.Module) -> torch.optim.Optimizer:
     """``cfg.optim`` is a ``_partial_`` target (``torch.optim.SGD`` ...) called with the
     trainable parameters."""
     make = instantiate_target(cfg.optim, "optim")
-    return make(model.parameters())
+    return _call(make, "optim", model.parameters())
 
 
 def build_schedule(cfg: DictConfig, optimizer: torch.optim.Optimizer) -> Any:
     """``cfg.schedule`` is a ``_partial_`` target called with the optimizer."""
     make = instantiate_target(cfg.schedule, "schedule", max_steps=int(cfg.trainer.max_steps))
-    return make(optimizer)
+    return _call(make, "schedule", optimizer)
+
+
+def _call(make: Any, group: str, *args: Any) -> Any:
+    """Call a ``_partial_`` target; what it raises is one line naming the group."""
+    try:
+        return make(*args)
+    except (TypeError, ValueError, RuntimeError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        target = getattr(make, "func", make)
+        name = f"{target.__module__}.{getattr(target, '__qualname__', target)}"
+        raise ConfigError(
+            f"{group}: {name} refused its settings ({type(err).__name__}: {first}); check "
+            f"the {group}.* keys."
+        ) from err
 
 
 def build_loader(

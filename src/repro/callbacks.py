@@ -9,15 +9,14 @@ therefore leaves nothing behind.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from repro.config import validate
+from repro.config import validate, validate_process_settings
 from repro.errors import ConfigError, ReproError, exit_with
-from repro.process_env import pin_process_environment
+from repro.process_env import pin_process_environment, under_torchrun
 
 
 def validate_sweep_jobs(config: DictConfig) -> None:
@@ -47,6 +46,7 @@ class PrepareRunCallback(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
+            validate_process_settings(config)  # what the re-exec would put in the environment
             pin_process_environment(config.determinism)
             validate(config)
             from repro import dist  # torch: after the re-exec
@@ -59,11 +59,12 @@ class PrepareRunCallback(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
-            if os.environ.get("WORLD_SIZE", "1") != "1":  # torchrun
+            if under_torchrun():
                 raise ConfigError(
                     "a sweep (-m) cannot run under torchrun: start one torchrun per job "
                     "(for s in 0 1 2; do torchrun ... train.py seed=$s; done)."
                 )
+            validate_process_settings(config)
             pin_process_environment(config.determinism)
             validate(config)
             validate_sweep_jobs(config)

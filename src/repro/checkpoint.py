@@ -218,8 +218,10 @@ def mismatches(
     state: dict[str, Any], config: dict[str, Any], environment: dict[str, Any], device: str
 ) -> list[str]:
     """``key: checkpoint vs now`` for each determinism-relevant config or environment entry
-    that differs between a checkpoint and this run."""
-    old, new = flatten(state.get("config") or {}), flatten(config)
+    that differs between a checkpoint and this run. A checkpoint written before an entry was
+    recorded (the CPU's instruction set, say) is not refused for lacking it."""
+    old = flatten(upgrade_config(state.get("config") or {}))
+    new = flatten(upgrade_config(config))
     out = []
     for key in sorted(set(old) | set(new)):
         if key.startswith(NOT_COMPARED):
@@ -236,9 +238,46 @@ def mismatches(
     relevant = RELEVANT_ENVIRONMENT + (RELEVANT_ON_CPU if written_on == "cpu" else ())
     for key in relevant:
         a, b = old_env.get(key), environment.get(key)
-        if a != b:
+        if a != b and (key in old_env or key in RELEVANT_ENVIRONMENT):
             out.append(f"environment.{key}: {a} (checkpoint) vs {b} (now)")
     return out
+
+
+# The optimizer settings of checkpoints written before the optimizer was a _target_.
+_LEGACY_OPTIMIZERS = {
+    "sgd": ("torch.optim.SGD", ("lr", "momentum", "nesterov", "weight_decay")),
+    "adamw": ("torch.optim.AdamW", ("lr", "betas", "eps", "weight_decay")),
+}
+
+
+def upgrade_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's config in today's shape, so that one written before the optimizer was
+    a ``_partial_`` target (``optim.name``, ``optim.implementation``, ``optim.schedule``,
+    ``optim.warmup_steps``) and before tasks (classification) resumes when nothing that
+    decides the bits changed: the same SGD or AdamW, the same schedule, the same loss."""
+    config = dict(config)
+    optim = dict(config.get("optim") or {})
+    if "name" in optim and optim["name"] in _LEGACY_OPTIMIZERS:
+        target, keys = _LEGACY_OPTIMIZERS[optim["name"]]
+        implementation = optim.get("implementation", "foreach")
+        pin = {"fused": {"foreach": False, "fused": True}, "for_loop": {"foreach": False}}
+        config["optim"] = {
+            "_target_": target,
+            "_partial_": True,
+            **{k: optim[k] for k in keys if k in optim},
+            "fused": None,
+            **pin.get(implementation, {"foreach": True}),
+        }
+        config.setdefault(
+            "schedule",
+            {
+                "_target_": f"repro.schedules.warmup_{optim.get('schedule', 'cosine')}",
+                "_partial_": True,
+                "warmup_steps": optim.get("warmup_steps", 20),
+            },
+        )
+    config.setdefault("task", {"_target_": "repro.tasks.Classification"})
+    return config
 
 
 def find_resume_point(

@@ -311,8 +311,8 @@ def _final_metrics(run: RunRecords, upto: int) -> dict[str, tuple[int, float]]:
 
 def compare_tolerance(a: RunRecords, b: RunRecords, rtol: float) -> Comparison:
     """Within ``rtol`` or not: the loss curve's largest relative deviation and the headline
-    metric's absolute difference at the last common evaluation (the shipped tasks' headlines
-    are fractions: accuracy, Dice). The other metrics are listed beside them."""
+    metric's absolute difference at the last common evaluation (headlines are fractions such
+    as accuracy). The other metrics are listed beside them."""
     common = min(a.last_step, b.last_step)
     if common == 0:
         short = a if a.last_step == 0 else b
@@ -337,6 +337,10 @@ def compare_tolerance(a: RunRecords, b: RunRecords, rtol: float) -> Comparison:
         )
     fa, fb = _final_metrics(a, common), _final_metrics(b, common)
     headline = a.headline
+    for run, found in ((a, fa), (b, fb)):
+        if headline not in found:
+            ok = False
+            detail.append(f"  {headline} (the headline): no evaluation in {run.dir} to compare")
     for key in sorted(set(fa) & set(fb), key=lambda k: k != headline):
         (sa, va), (_, vb) = fa[key], fb[key]
         diff, rel = _deviation(va, vb)

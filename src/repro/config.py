@@ -188,7 +188,7 @@ def validate(cfg: DictConfig) -> None:
                 )
     _validate_run(cfg)
     _validate_trainer(cfg.trainer)
-    _validate_loader_and_determinism(cfg.loader, cfg.determinism)
+    validate_process_settings(cfg)
     for group in TARGET_GROUPS:
         _validate_target(cfg, group)
     _validate_optim(cfg.optim)
@@ -243,7 +243,10 @@ def _validate_trainer(t: DictConfig) -> None:
         )
 
 
-def _validate_loader_and_determinism(ld: DictConfig, d: DictConfig) -> None:
+def validate_process_settings(cfg: DictConfig) -> None:
+    """The loader and determinism values, checked without torch: what layer 0 puts into the
+    process environment must be valid before it re-executes the process with it."""
+    ld, d = cfg.loader, cfg.determinism
     for name in d.nccl_env:
         if not str(name).startswith("NCCL_"):
             _fail("determinism.nccl_env", name, "names of NCCL_* environment variables")
@@ -317,9 +320,14 @@ def _validate_optim(o: DictConfig) -> None:
         params = inspect.signature(locate(o._target_)).parameters
     except (TypeError, ValueError):
         return
-    if any(k in params for k in IMPLEMENTATION_KEYS) and all(
-        o.get(k) is None for k in IMPLEMENTATION_KEYS
-    ):
+    if not any(k in params for k in IMPLEMENTATION_KEYS):
+        return
+    if o.get("fused") and o.get("foreach"):
+        raise ConfigError(
+            "config error: optim.fused=true with optim.foreach=true; choose one: "
+            "optim.fused=true optim.foreach=false, or leave fused out."
+        )
+    if not o.get("fused") and o.get("foreach") is None:
         raise ConfigError(
             f"config error: optim ({o._target_}) does not pin its implementation; set "
             "optim.foreach=true, optim.fused=true or optim.foreach=false (the for-loop): they "

@@ -1,4 +1,4 @@
-"""``torchrun`` and ``torch.distributed`` glue (docs/design.md, "Distributed"): who this process
+"""``torchrun`` and ``torch.distributed`` glue (docs/distributed.md): who this process
 is, joining the process group, and the small messages the ranks exchange. The gradient sum
 itself is :mod:`repro.reduction`.
 

@@ -7,6 +7,9 @@ import torch
 
 from repro.build import Training
 from repro.data import DeviceNormalizer, TensorImages
+from repro.errors import ConfigError
+from repro.rng import global_rng_states, set_global_rng_states
+from repro.tasks import Task
 
 
 @torch.no_grad()
@@ -26,4 +29,36 @@ def evaluate(
         for name, value in task.statistics(outputs, targets).items():
             totals[name] = totals[name] + value if name in totals else value
     model.train()
-    return task.metrics(totals)
+    metrics = task.metrics(totals)
+    check_metrics(task, metrics)
+    return metrics
+
+
+def check_task(training: Training, split: TensorImages, normalize: DeviceNormalizer) -> None:
+    """The task's metrics on a few validation samples before the first step, so that a wrong
+    headline or metric name fails now, not at the first evaluation. The global RNGs are put
+    back afterwards (a model may draw from them even in evaluation), so the run's bits are
+    those it would have without the check."""
+    n = min(len(split), 4)
+    states = global_rng_states()
+    try:
+        evaluate(training, TensorImages(split.images[:n], split.labels[:n]), normalize, n)
+    finally:
+        set_global_rng_states(states)
+
+
+def check_metrics(task: Task, metrics: dict[str, float]) -> None:
+    """Metrics are named ``val_*`` (beside the summary's own fields, never over them) and hold
+    the task's headline."""
+    name = type(task).__name__
+    for key in metrics:
+        if not key.startswith("val_"):
+            raise ConfigError(
+                f"task {name}: metric {key!r} must be named val_* (metrics go into "
+                "summary.json beside its own fields); rename it in metrics()."
+            )
+    if task.headline not in metrics:
+        raise ConfigError(
+            f"task {name}: its headline {task.headline!r} is not one of its metrics "
+            f"({', '.join(metrics)}); set headline to one of them."
+        )

@@ -54,9 +54,12 @@ class CsvLog:
             buf = io.StringIO()
             csv.writer(buf).writerows([self.fields, *kept] if self.fields else [])
             atomic_write(self.path, lambda f: f.write(buf.getvalue().encode()))
-            self._open("a")
+            if self.fields:
+                self._open("a")
         elif self.fields is not None:
             self._open("w", header=True)
+        else:  # a new run whose header comes with its first row: no rows of an earlier attempt
+            self.path.unlink(missing_ok=True)
 
     def _open(self, mode: str, header: bool = False) -> None:
         self.file = open(self.path, mode, newline="")
@@ -66,7 +69,7 @@ class CsvLog:
         self.file.flush()
 
     def write(self, rows: list[list[Any]], fields: list[str] | None = None) -> None:
-        if self.file is None or not self.fields:
+        if self.file is None:
             self.fields = self.fields or fields
             self._open("w", header=True)
         self.writer.writerows([[repr(v) if isinstance(v, float) else v for v in r] for r in rows])
@@ -143,7 +146,7 @@ class TrainingLog:
         if resume_at is not None:
             return TraceWriter(path, mode="a")
         trace = TraceWriter(path)
-        trace.write([initial or {"step": 0}])
+        trace.write([initial])
         return trace
 
     @property

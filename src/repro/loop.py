@@ -12,7 +12,7 @@ Each concern has its own module; this one only puts them in order:
 ``repro.logs``         ``metrics.csv``, ``eval.csv``, ``trace.jsonl``, the console
 ``repro.trace``        what the trace digests (inputs, weights)
 ``repro.checkpoint``   atomic, checksummed checkpoints; restoring one
-``repro.preemption``   SIGTERM/SIGUSR1: checkpoint at the step boundary and exit 75
+``repro.preemption``   SIGTERM/SIGUSR1: stop after the step (the loop checkpoints first)
 ``repro.dist``         torchrun: ranks, shares of a step, the reduction across ranks
 =====================  ===============================================================
 """
@@ -46,7 +46,7 @@ from repro.data import DeviceNormalizer, loading
 from repro.determinism import DeterminismReport, apply_determinism
 from repro.dist import World, broadcast_object, on_main
 from repro.dist import init as init_world
-from repro.evaluation import evaluate
+from repro.evaluation import check_task, evaluate
 from repro.files import ENV_FILE, SUMMARY_FILE
 from repro.fingerprint import environment, run_fingerprint
 from repro.logs import NullLog, TrainingLog
@@ -95,19 +95,21 @@ def train(
     normalize = DeviceNormalizer(data, run.device)
     reducer = Reducer(world, str(cfg.dist.reduction)) if world.distributed else None
     describe(run, training, data, count)
+    if world.main:
+        check_task(training, data.val, normalize)
     logs = open_logs(run, training, steps_per_epoch, resume)
     checkpoints = Checkpointer(
         run.dir, training, run.identity, int(t.keep_checkpoints), steps_per_epoch, resumes
     )
     tracer = StepTracer(bool(t.trace), int(t.trace_every), max_steps, world)
-    clock = Throughput(start, max_steps, training.batch_size, run.device)
     training.model.train()
     with (
         Preemption(world, max_steps) as preemption,
         logs,
         closing(tracer),
-        loading(loader) as batches,
+        loading(loader) as batches,  # the workers start here
     ):
+        clock = Throughput(start, max_steps, training.batch_size, run.device)
         for step in range(start, max_steps):
             done = step + 1
             raw = [next(batches) for _ in range(count)]  # this rank's micro-batches
@@ -127,7 +129,7 @@ def train(
             logs.step(done, loss, grad_norm, lr, record, metrics)
             if world.main and due(done, int(t.checkpoint_every), max_steps):
                 checkpoints.save(done, logs)
-            if preemption.requested(done):
+            if preemption.poll(done):
                 if world.main and checkpoints.last_saved != done:
                     checkpoints.save(done, logs)
                 logs.close()  # all on disk before handing the signal over

@@ -65,8 +65,10 @@ class Preemption(PreemptionSignals):
         self.world, self.max_steps = world, max_steps
         self.vote = StopVote(world) if world.distributed else None
 
-    def requested(self, done: int) -> bool:
-        """Stop after step ``done``? (Never after the last step: the run is complete.)"""
+    def poll(self, done: int) -> bool:
+        """Stop after step ``done``? (Never after the last step: the run is complete.) Call
+        it once after every step on every rank: under torchrun it reads the vote of the step
+        before and casts this step's."""
         if self.vote is None:
             stop = self.received is not None
         else:  # the vote of the step before

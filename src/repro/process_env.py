@@ -3,8 +3,8 @@
 ``PYTHONHASHSEED`` is read only when the interpreter starts, and ``CUBLAS_WORKSPACE_CONFIG``
 only when cuBLAS starts: setting ``os.environ`` later changes nothing. So strict (and warn)
 mode re-executes the process once with them in place (:func:`pin_process_environment`,
-called by the Hydra callback before any run directory exists). This module imports neither
-torch nor the rest of the package, so the first interpreter re-executes cheaply;
+called by the Hydra callback before any run directory exists). This module imports no
+torch (only :mod:`repro.errors`), so the first interpreter re-executes cheaply;
 :mod:`repro.determinism` verifies afterwards that the variables took effect.
 """
 
@@ -20,6 +20,11 @@ from repro.errors import DeterminismError
 REEXEC_MARKER = "REPRO_REEXECUTED"
 TF32_OVERRIDE = "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"
 _HASH_PROBE = "repro determinism probe"
+
+
+def under_torchrun() -> bool:
+    """Started by torchrun (or another env:// launcher) with more than one process?"""
+    return os.environ.get("WORLD_SIZE", "1") not in ("", "1")
 
 
 def strict_like(dcfg: Any) -> bool:

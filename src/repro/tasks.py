@@ -18,10 +18,11 @@ one it runs. It owns four things:
     --tolerance`` lead with (``higher_is_better`` says which way is better).
 
 ``outputs`` is what the model returns for a batch; ``targets`` is what the dataset gives
-beside the inputs (class labels, ``N``; per-pixel masks, ``N×H×W``; anything else a
-dataset of yours returns as a tensor). A new task is a subclass named by
-``task._target_=mypkg.MyTask``; it receives ``num_classes`` from the dataset when its
-constructor takes it. See ``docs/extending.md``.
+beside the inputs (class labels, ``N``; or anything else a dataset of yours returns as a
+tensor: per-pixel masks need ``data.augment=false``, as the shipped crop and flip move the
+images only). Metrics are named ``val_*``; the headline is one of them. A new task is a
+subclass named by ``task._target_=mypkg.MyTask``; it receives ``num_classes`` from the
+dataset when its constructor takes it. See ``docs/extending.md``.
 """
 
 from __future__ import annotations

@@ -4,14 +4,16 @@ Every run writes it into its directory (the environment fingerprint, ``env.json`
 :mod:`repro.fingerprint`):
 
 ``trace.jsonl``
-    one JSON object per line: ``{"step": 0, "tensors": ..., "weights_sha256": ...}`` for the
-    initial weights, then one per optimizer step with ``step`` (1-based, as in ``metrics.csv``),
+    one JSON object per line: ``{"step": 0, "tensors": ..., "weights_sha256": ..., "task":
+    {"headline": ..., "higher_is_better": ...}}`` for the initial weights, then one per
+    optimizer step with ``step`` (1-based, as in ``metrics.csv``),
     ``epoch``, ``loss``, ``grad_norm``, ``lr``. JSON numbers are written with ``repr``, which
     round-trips a float exactly, so the file holds the exact bits. Every
     ``trainer.trace_every`` steps (and at the last one) a step also carries ``tensors``
     (a SHA-256 per state-dict entry after that step's update), ``weights_sha256`` and
     ``batch`` (the step's input and label digests); the first step always carries ``batch``;
-    evaluation steps carry ``eval``; the last step ``"final": true``.
+    evaluation steps carry ``eval``; the first step of a resumed process ``resumed`` (from
+    where, and the differences a forced resume accepted); the last step ``"final": true``.
 """
 
 from __future__ import annotations
