@@ -9,14 +9,12 @@ import csv
 import json
 import logging
 import os
-import random
 import subprocess
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -141,30 +139,15 @@ def run_train(
 def preserved_global_state():
     """Put back what a run changes in this process: torch's determinism flags and thread
     count, and the global RNGs."""
-    flags = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-        torch.utils.deterministic.fill_uninitialized_memory,
-        torch.backends.cudnn.deterministic,
-        torch.backends.cudnn.benchmark,
-        torch.backends.cuda.matmul.allow_tf32,
-        torch.backends.cudnn.allow_tf32,
-        torch.get_float32_matmul_precision(),
-        torch.get_num_threads(),
-    )
-    rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    from repro.determinism import flags_restored
+    from repro.rng import global_rng_states, set_global_rng_states
+
+    rng = global_rng_states()
     try:
-        yield
+        with flags_restored():
+            yield
     finally:
-        torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
-        torch.utils.deterministic.fill_uninitialized_memory = flags[2]
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = flags[3:5]
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags[5:7]
-        torch.set_float32_matmul_precision(flags[7])
-        torch.set_num_threads(flags[8])
-        random.setstate(rng[0])
-        np.random.set_state(rng[1])
-        torch.set_rng_state(rng[2])
+        set_global_rng_states(rng)
 
 
 class _Records(logging.Handler):

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,32 @@ NOT_COVERED = [
     "third-party code with its own RNG that does not draw from the seeded global generators",
     "custom CUDA extensions and ops PyTorch does not know to be nondeterministic",
 ]
+
+
+@contextmanager
+def flags_restored() -> Iterator[None]:
+    """Put torch's kernel-selection flags (layer 2) and thread count back as they were: for
+    tools and tests that change them inside a running process (``repro doctor``)."""
+    flags = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.utils.deterministic.fill_uninitialized_memory,
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.get_float32_matmul_precision(),
+        torch.get_num_threads(),
+    )
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
+        torch.utils.deterministic.fill_uninitialized_memory = flags[2]
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = flags[3:5]
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags[5:7]
+        torch.set_float32_matmul_precision(flags[7])
+        torch.set_num_threads(flags[8])
 
 
 @dataclass

@@ -36,6 +36,7 @@ from torch import nn
 
 from repro.build import Precision, build_data, build_model, build_task, resolve_device
 from repro.data import DataSplits, DeviceNormalizer, make_train_loader
+from repro.determinism import flags_restored
 from repro.rng import seed_forward, seed_global_rngs
 from repro.trace import tensor_bytes
 
@@ -392,15 +393,8 @@ def run_doctor(cfg: DictConfig, repeats: int = 4, log: Callable[[str], None] = p
     autocast = Precision(cfg.amp, device).autocast
 
     n_modules = sum(1 for _ in model.modules())
-    saved = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-        torch.backends.cudnn.deterministic,
-        torch.backends.cudnn.benchmark,
-        torch.utils.deterministic.fill_uninitialized_memory,
-    )
-    notes = []
-    try:
+    notes: list[str] = []
+    with flags_restored():
         log(f"fast mode: {repeats} repeats of forward + backward with hooks on {n_modules} modules")
         set_flags(strict=False)
         fast = [
@@ -433,10 +427,6 @@ def run_doctor(cfg: DictConfig, repeats: int = 4, log: Callable[[str], None] = p
         strict_findings = _culprits([p for p, _ in strict])
         if len({loss for _, loss in strict}) > 1 and not strict_findings:
             strict_findings.append(Finding(LOSS, "function", "forward", "loss differs"))
-    finally:
-        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2], saved[3]
-        torch.utils.deterministic.fill_uninitialized_memory = saved[4]
     if device.type == "cpu":
         notes.append(
             "CPU kernels are deterministic for a fixed thread count; run on the GPU "
