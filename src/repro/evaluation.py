@@ -34,15 +34,17 @@ def evaluate(
     return metrics
 
 
-def check_task(training: Training, split: TensorImages, normalize: DeviceNormalizer) -> None:
+def check_task(training: Training, split: TensorImages, normalize: DeviceNormalizer) -> list[str]:
     """The task's metrics on a few validation samples before the first step, so that a wrong
-    headline or metric name fails now, not at the first evaluation. The global RNGs are put
-    back afterwards (a model may draw from them even in evaluation), so the run's bits are
-    those it would have without the check."""
+    headline or metric name fails now, not at the first evaluation; returns their names. The
+    global RNGs are put back afterwards (a model may draw from them even in evaluation), so
+    the run's bits are those it would have without the check."""
     n = min(len(split), 4)
     states = global_rng_states()
     try:
-        evaluate(training, TensorImages(split.images[:n], split.labels[:n]), normalize, n)
+        return list(
+            evaluate(training, TensorImages(split.images[:n], split.labels[:n]), normalize, n)
+        )
     finally:
         set_global_rng_states(states)
 

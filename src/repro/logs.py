@@ -32,52 +32,35 @@ METRICS_FIELDS = ["step", "epoch", "loss", "grad_norm", "lr"]
 class CsvLog:
     """Append rows to a CSV in the run directory; floats as ``repr`` (round-trip exact).
 
-    ``fields=None`` takes the header from the first row written (``write(rows, fields)``).
     ``resume_at=s`` keeps the rows of steps <= s already there (a resumed run) and appends."""
 
-    def __init__(
-        self, path: Path, fields: list[str] | None = None, resume_at: int | None = None
-    ) -> None:
-        self.path, self.fields, self.file = Path(path), fields, None
-        if resume_at is not None and self.path.is_file():
-            with open(self.path, newline="") as f:
-                rows = list(csv.reader(f))
-            self.fields = self.fields or (rows[0] if rows else None)
+    def __init__(self, path: Path, fields: list[str], resume_at: int | None = None) -> None:
+        if resume_at is not None and path.is_file():
+            with open(path, newline="") as f:
+                rows = list(csv.reader(f))[1:]
             kept, last = [], 0
-            for r in rows[1:]:  # the clean prefix: complete rows, steps rising, up to resume_at
-                if len(r) != len(self.fields or r) or not r[0].isdigit():
-                    break
-                if not last < int(r[0]) <= resume_at:
+            for r in rows:  # the clean prefix: complete rows, steps rising, up to resume_at
+                if len(r) != len(fields) or not r[0].isdigit() or not last < int(r[0]) <= resume_at:
                     break
                 kept.append(r)
                 last = int(r[0])
             buf = io.StringIO()
-            csv.writer(buf).writerows([self.fields, *kept] if self.fields else [])
-            atomic_write(self.path, lambda f: f.write(buf.getvalue().encode()))
-            if self.fields:
-                self._open("a")
-        elif self.fields is not None:
-            self._open("w", header=True)
-        else:  # a new run whose header comes with its first row: no rows of an earlier attempt
-            self.path.unlink(missing_ok=True)
-
-    def _open(self, mode: str, header: bool = False) -> None:
-        self.file = open(self.path, mode, newline="")
-        self.writer = csv.writer(self.file)
-        if header:
-            self.writer.writerow(self.fields)
+            csv.writer(buf).writerows([fields, *kept])
+            atomic_write(path, lambda f: f.write(buf.getvalue().encode()))
+            self.file = open(path, "a", newline="")
+            self.writer = csv.writer(self.file)
+        else:
+            self.file = open(path, "w", newline="")
+            self.writer = csv.writer(self.file)
+            self.writer.writerow(fields)
         self.file.flush()
 
-    def write(self, rows: list[list[Any]], fields: list[str] | None = None) -> None:
-        if self.file is None:
-            self.fields = self.fields or fields
-            self._open("w", header=True)
+    def write(self, rows: list[list[Any]]) -> None:
         self.writer.writerows([[repr(v) if isinstance(v, float) else v for v in r] for r in rows])
         self.file.flush()
 
     def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
+        self.file.close()
 
 
 def keep_trace_prefix(path: Path, step: int) -> int:
@@ -112,6 +95,7 @@ class TrainingLog:
         max_steps: int,
         steps_per_epoch: int,
         log_every: int,
+        metric_names: list[str],
         progress: bool,
         trace: bool,
         start: int = 0,
@@ -123,7 +107,7 @@ class TrainingLog:
         at = start if resumed is not None else None
         self.max_steps, self.steps_per_epoch, self.log_every = max_steps, steps_per_epoch, log_every
         self.metrics = CsvLog(run_dir / METRICS_FILE, METRICS_FIELDS, at)
-        self.evals = CsvLog(run_dir / EVAL_FILE, None, at)
+        self.evals = CsvLog(run_dir / EVAL_FILE, ["step", *metric_names], at)
         self.trace = self._open_trace(run_dir / TRACE_FILE, trace, at, initial)
         self.progress = Progress(max_steps, enabled=progress, start=start)
         last = dict(resumed or {})
@@ -170,7 +154,7 @@ class TrainingLog:
             record["eval"] = evaluation
             self.last_metrics = dict(evaluation)
             self.flush()
-            self.evals.write([[done, *evaluation.values()]], ["step", *evaluation])
+            self.evals.write([[done, *evaluation.values()]])
             self.progress.close()
             shown = "  ".join(f"{k} {v:.4f}" for k, v in evaluation.items())
             log.info(f"step {done}/{self.max_steps}  loss {self.last_loss:.4f}  {shown}")

@@ -95,9 +95,8 @@ def train(
     normalize = DeviceNormalizer(data, run.device)
     reducer = Reducer(world, str(cfg.dist.reduction)) if world.distributed else None
     describe(run, training, data, count)
-    if world.main:
-        check_task(training, data.val, normalize)
-    logs = open_logs(run, training, steps_per_epoch, resume)
+    metric_names = check_task(training, data.val, normalize) if world.main else []
+    logs = open_logs(run, training, steps_per_epoch, metric_names, resume)
     checkpoints = Checkpointer(
         run.dir, training, run.identity, int(t.keep_checkpoints), steps_per_epoch, resumes
     )
@@ -213,7 +212,11 @@ def describe(run: Run, training: Training, data: Any, count: int) -> None:
 
 
 def open_logs(
-    run: Run, training: Training, steps_per_epoch: int, resume: ResumePoint | None
+    run: Run,
+    training: Training,
+    steps_per_epoch: int,
+    metric_names: list[str],
+    resume: ResumePoint | None,
 ) -> TrainingLog:
     """Rank 0's logs (continued at the checkpoint's step when resuming); the others' null."""
     if not run.world.main:
@@ -229,6 +232,7 @@ def open_logs(
         max_steps=int(t.max_steps),
         steps_per_epoch=steps_per_epoch,
         log_every=int(t.log_every),
+        metric_names=metric_names,
         progress=bool(t.progress),
         trace=bool(t.trace),
         start=resume.step if resume else 0,
