@@ -182,9 +182,6 @@ def test_an_error_on_one_rank_stops_every_rank_with_its_message(tmp_path):
             *SMALL,
             "model._target_=sweep_models.FailsOnRank",
             "+model.fail_rank=1",
-            # the main-process loader: workers would outlive their failed rank for up to
-            # DataLoader's 5 s watchdog interval, and the error path is what is tested
-            "loader=single",
             nproc=2,
         ),
         cwd=tmp_path,

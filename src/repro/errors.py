@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import NoReturn
 
 from hydra.errors import CompactHydraException
@@ -58,7 +59,21 @@ def report_error(error: BaseException) -> None:
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
+        if _inside_a_collective(error):
+            # most likely a peer failed first and this rank lost it mid-collective: record
+            # later, so that torchrun (which names the earliest record, to the second) shows
+            # the peer's error as the root cause (it may stop this rank before: fine)
+            sys.stderr.flush()
+            time.sleep(2)
         ErrorHandler().record_exception(error)
+
+
+def _inside_a_collective(error: BaseException) -> bool:
+    """Was ``error`` raised inside ``torch.distributed`` (a collective, a barrier)?"""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and f"torch{os.sep}distributed{os.sep}" in tb.tb_frame.f_code.co_filename
 
 
 class CheckpointError(ReproError):
