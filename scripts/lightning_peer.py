@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from repro.build import build_data, build_model, build_optimizer, build_schedule, build_task
 from repro.config import compose
-from repro.data import DeviceNormalizer, random_crop_flip
+from repro.data import IGNORE, DeviceNormalizer, crop_flip_batch, crop_flip_params
 from repro.trace import state_dict_sha256
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +44,8 @@ except ImportError:  # the older package name
 
 
 class Augmented(Dataset):
-    """The training split with the template's crop/flip, drawn from the global RNG."""
+    """The training split with the template's crop/flip, drawn from the global RNG (a
+    segmentation mask gets its image's crop and flip)."""
 
     def __init__(self, split, augment: bool) -> None:
         self.split, self.augment = split, augment
@@ -53,10 +54,13 @@ class Augmented(Dataset):
         return len(self.split)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        image = self.split.images[index]
+        image, target = (t[0] for t in self.split.fetch(torch.tensor([index])))
         if self.augment:
-            image = random_crop_flip(image, None)
-        return image, self.split.labels[index]
+            params = torch.tensor([crop_flip_params(None)])
+            image = crop_flip_batch(image[None], params)[0]
+            if target.dim() == 2:
+                target = crop_flip_batch(target[None, None], params, fill=IGNORE)[0, 0]
+        return image, target
 
 
 def main() -> None:
@@ -101,8 +105,8 @@ def main() -> None:
         def training_step(self, batch, batch_idx):
             if self.normalize is None:
                 self.normalize = DeviceNormalizer(splits, self.device)
-            images, labels = self.normalize(*batch)
-            return task.loss(self.model(images), labels) / len(labels)  # the mean
+            images, targets = self.normalize(*batch)
+            return task.loss(self.model(images), targets) / len(targets)  # the mean
 
         def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
             step = self.trainer.global_step

@@ -59,8 +59,11 @@ def test_defaults_are_as_documented():
 )
 def test_every_option_of_every_group_composes(group):
     for option in sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")):
-        extra = ["data.path=/tmp"] if (group, option) == ("data", "image_folder") else []
-        validate(cfg(f"{group}={option}", *extra))
+        extra = {
+            "image_folder": ["data.path=/tmp"],
+            "image_mask_folder": ["data.path=/tmp", "data.num_classes=3"],
+        }
+        validate(cfg(f"{group}={option}", *(extra.get(option, []) if group == "data" else [])))
 
 
 def test_config_hash_tracks_values():

@@ -51,13 +51,19 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    """Find the modules of the configured model that are nondeterministic on this device."""
+    """Find the modules of the configured model that are nondeterministic on this device
+    (--cost: where strict mode costs time, module by module)."""
     from repro.config import compose
-    from repro.doctor import run_doctor
+    from repro.doctor import run_cost, run_doctor
 
-    if args.repeats < 2:
+    if args.repeats is not None and args.repeats < 2:
         raise ReproError(f"--repeats {args.repeats}: give 2 or more.")
     cfg = compose(args.overrides, Path(args.config_dir) if args.config_dir else None)
+    if args.cost:
+        cost = run_cost(cfg, repeats=args.repeats or 10, log=lambda m: print(m, file=sys.stderr))
+        print(cost.format(rows=args.rows))
+        return 1 if any(c.strict_ms is None for c in cost.costs) else 0
+    args.repeats = args.repeats or 4
     report = run_doctor(cfg, repeats=args.repeats, log=lambda m: print(m, file=sys.stderr))
     print(report.format())
     return 0 if report.clean else 1
@@ -146,7 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "overrides", nargs="*", help="the same overrides as train.py, e.g. model=resnet18"
     )
-    p.add_argument("--repeats", type=int, default=4, help="forward+backward repeats (default 4)")
+    p.add_argument("--repeats", type=int, help="forward+backward repeats (default 4; --cost: 10)")
+    p.add_argument(
+        "--cost",
+        action="store_true",
+        help="time each module forward+backward under strict vs fast flags; name the "
+        "expensive ones and their repro.ops replacement (exit 1 if strict raises)",
+    )
+    p.add_argument("--rows", type=int, default=12, help="--cost: modules listed (default 12)")
     p.add_argument("--config-dir", help="the conf/ directory (default: ./conf, else the project's)")
     p.set_defaults(func=cmd_doctor)
     p = sub.add_parser("report", help=_doc(cmd_report), description=_doc(cmd_report))

@@ -21,11 +21,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from repro.errors import DataError
+from repro.errors import DataError, ReproError
 from repro.rng import keyed_generator, keyed_permutation, worker_init_fn
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
@@ -33,7 +34,8 @@ IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".ti
 
 @dataclass
 class TensorImages:
-    """An in-memory split: ``images`` uint8 N×C×H×W, ``labels`` int64 N."""
+    """An in-memory split: ``images`` uint8 N×C×H×W; ``labels`` the targets: class indices
+    (int64, N) or per-pixel class masks (uint8 or int64, N×H×W, the images' H×W)."""
 
     images: torch.Tensor
     labels: torch.Tensor
@@ -43,18 +45,35 @@ class TensorImages:
             raise ValueError("images must be a uint8 tensor of shape N×C×H×W")
         if len(self.images) != len(self.labels):
             raise ValueError("images and labels differ in length")
-        self.labels = self.labels.to(torch.int64)
+        if self.labels.dim() == 3:
+            if self.labels.shape[1:] != self.images.shape[2:]:
+                raise ValueError("masks must have the images' height and width (N×H×W)")
+            if self.labels.dtype not in (torch.uint8, torch.int64):
+                self.labels = self.labels.to(torch.int64)
+        else:
+            self.labels = self.labels.to(torch.int64)
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    @property
+    def channels(self) -> int:
+        return int(self.images.shape[1])
+
+    def fetch(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The images and targets at ``index`` (int64; on the split's device)."""
+        return self.images[index], self.labels[index]
+
+    def to(self, device: torch.device) -> TensorImages:
+        return TensorImages(self.images.to(device), self.labels.to(device))
 
 
 @dataclass
 class DataSplits:
     """What a dataset factory returns: a training and a validation split plus metadata."""
 
-    train: TensorImages
-    val: TensorImages
+    train: TensorImages | LazyImageMasks
+    val: TensorImages | LazyImageMasks
     num_classes: int
     augment: bool = True
     mean: tuple[float, ...] | None = None  # per channel, in [0, 1]; computed from train if None
@@ -62,13 +81,25 @@ class DataSplits:
 
     def __post_init__(self) -> None:
         if self.mean is None or self.std is None:
-            x = self.train.images.to(torch.float64).div(255)
+            x = statistics_sample(self.train).to(torch.float64).div(255)
             self.mean = tuple(x.mean(dim=(0, 2, 3)).tolist())
             self.std = tuple(x.std(dim=(0, 2, 3)).clamp_min(1e-3).tolist())
 
     @property
     def in_channels(self) -> int:
-        return int(self.train.images.shape[1])
+        return self.train.channels
+
+
+# At most this many training images give the normalisation of a split read from disk.
+STATISTICS_SAMPLE = 256
+
+
+def statistics_sample(split: TensorImages | LazyImageMasks) -> torch.Tensor:
+    """The images the channel mean and std are computed from: all of an in-memory split; the
+    first :data:`STATISTICS_SAMPLE` (in file order) of one read from disk."""
+    if isinstance(split, TensorImages):
+        return split.images
+    return split.fetch(torch.arange(min(len(split), STATISTICS_SAMPLE)))[0]
 
 
 # --------------------------------------------------------------------------- datasets
@@ -137,10 +168,7 @@ def image_folder(
     Loaded into memory at ``image_size``×``image_size`` RGB. Classes and files are taken in
     sorted order and the validation split is a permutation keyed by ``seed``, so the same
     folder gives the same splits everywhere."""
-    try:
-        from PIL import Image
-    except ImportError as err:
-        raise DataError("data=image_folder needs Pillow: pip install -e '.[images]'.") from err
+    _pillow()
     root = Path(path).expanduser()
     if not root.is_dir():
         raise DataError(
@@ -165,16 +193,7 @@ def image_folder(
         )
     images = torch.empty(len(files), 3, image_size, image_size, dtype=torch.uint8)
     for i, (f, _) in enumerate(files):
-        try:
-            with Image.open(f) as im:
-                im = im.convert("RGB").resize((image_size, image_size), Image.BILINEAR)
-                images[i] = (
-                    torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8)
-                    .view(image_size, image_size, 3)
-                    .permute(2, 0, 1)
-                )
-        except OSError as err:
-            raise DataError(f"data: cannot read image {f}: {err}; remove or fix the file.") from err
+        images[i] = read_image(f, image_size)
     labels = torch.tensor([label for _, label in files])
     order = keyed_permutation(len(files), seed, "image-folder-split")
     n_val = max(1, round(val_fraction * len(files)))
@@ -187,6 +206,219 @@ def image_folder(
         len(classes),
         augment,
     )
+
+
+def _pillow():
+    try:
+        from PIL import Image
+    except ImportError as err:
+        raise DataError("reading images needs Pillow: pip install -e '.[images]'.") from err
+    return Image
+
+
+def read_image(path: Path, size: int) -> torch.Tensor:
+    """An image file as uint8 3×size×size (RGB, resized bilinearly)."""
+    Image = _pillow()
+    try:
+        with Image.open(path) as im:
+            im = im.convert("RGB").resize((size, size), Image.BILINEAR)
+            data = bytearray(im.tobytes())
+    except OSError as err:
+        raise DataError(f"data: cannot read image {path}: {err}; remove or fix the file.") from err
+    return torch.frombuffer(data, dtype=torch.uint8).view(size, size, 3).permute(2, 0, 1)
+
+
+def read_mask(path: Path, size: int, num_classes: int) -> torch.Tensor:
+    """A mask PNG of class indices as uint8 size×size (resized nearest: no invented
+    classes). Values are classes ``0 .. num_classes - 1`` or :data:`IGNORE` (not scored)."""
+    Image = _pillow()
+    try:
+        with Image.open(path) as im:
+            if im.mode not in ("L", "P", "I", "I;16"):
+                raise DataError(
+                    f"data: mask {path} is a {im.mode} image; masks must be single-channel "
+                    "PNGs of class indices (mode L or P)."
+                )
+            im = im.resize((size, size), Image.NEAREST)
+            mask = torch.from_numpy(np.array(im, dtype=np.int64))
+    except OSError as err:
+        raise DataError(f"data: cannot read mask {path}: {err}; remove or fix the file.") from err
+    bad = (mask >= num_classes) & (mask != IGNORE)
+    if bool(bad.any()):
+        raise DataError(
+            f"data: mask {path} holds class {int(mask[bad].max())}, not below "
+            f"data.num_classes={num_classes}; fix the mask or raise data.num_classes "
+            f"({IGNORE} marks pixels to ignore)."
+        )
+    return mask.to(torch.uint8)
+
+
+# The mask value of pixels that are not scored: unlabelled pixels in a mask (as in Pascal
+# VOC) and the border a crop pads in. task=segmentation ignores it (task.ignore_index).
+IGNORE = 255
+
+
+class LazyImageMasks:
+    """A split of (image, mask) files read from disk when fetched: in the loader's workers
+    during training, so memory does not grow with the dataset. Same interface as
+    :class:`TensorImages` (``len``, ``fetch``, ``channels``)."""
+
+    channels = 3
+
+    def __init__(
+        self, images: list[Path], masks: list[Path], image_size: int, num_classes: int
+    ) -> None:
+        self.images, self.masks = images, masks
+        self.image_size, self.num_classes = image_size, num_classes
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def fetch(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = index.tolist()
+        size = self.image_size
+        images = torch.stack([read_image(self.images[i], size) for i in rows])
+        masks = torch.stack([read_mask(self.masks[i], size, self.num_classes) for i in rows])
+        return images, masks
+
+    def to(self, device: torch.device) -> TensorImages:
+        """The whole split in memory on ``device`` (``loader=device``)."""
+        images, masks = self.fetch(torch.arange(len(self)))
+        return TensorImages(images, masks).to(device)
+
+
+def image_mask_folder(
+    path: str,
+    num_classes: int,
+    image_size: int = 128,
+    val_fraction: float = 0.1,
+    seed: int = 1234,
+    augment: bool = True,
+) -> DataSplits:
+    """Your own segmentation data: ``path/images/<stem>.<ext>`` and ``path/masks/<stem>.png``
+    with matching stems; masks hold class indices ``0 .. num_classes - 1`` (255: ignore).
+
+    Files are listed here, in sorted order, and read lazily (:class:`LazyImageMasks`), at
+    ``image_size``×``image_size``. The validation split is a permutation keyed by ``seed``,
+    so the same folder gives the same splits everywhere."""
+    _pillow()
+    root = Path(path).expanduser()
+    image_dir, mask_dir = root / "images", root / "masks"
+    if not image_dir.is_dir() or not mask_dir.is_dir():
+        raise DataError(
+            f"data.path={path!r} needs the sub-folders images/ and masks/ (one mask PNG per "
+            "image, same file stem); point data.path at their parent."
+        )
+    if not 2 <= num_classes <= IGNORE:
+        raise DataError(f"data.num_classes={num_classes} is invalid; allowed: 2 to {IGNORE}.")
+    if not 0 < val_fraction < 1:
+        raise DataError(
+            f"data.val_fraction={val_fraction} is invalid; allowed: a number in (0, 1)."
+        )
+    images = {
+        f.stem: f
+        for f in sorted(image_dir.iterdir())
+        if f.suffix.lower() in IMAGE_SUFFIXES and not f.name.startswith(".")
+    }
+    masks = {f.stem: f for f in sorted(mask_dir.glob("*.png")) if not f.name.startswith(".")}
+    missing = sorted(set(images) - set(masks))
+    if missing:
+        raise DataError(
+            f"data.path={path!r}: {len(missing)} image(s) have no mask, e.g. "
+            f"images/{images[missing[0]].name} (expected masks/{missing[0]}.png); add the masks "
+            "or move those images out."
+        )
+    stems = sorted(images)
+    if len(stems) < 2:
+        raise DataError(f"data.path={path!r}: images/ holds {len(stems)} image(s); need 2 or more.")
+    order = keyed_permutation(len(stems), seed, "image-mask-folder-split")
+    n_val = max(1, round(val_fraction * len(stems)))
+    val_idx, train_idx = order[:n_val].sort().values, order[n_val:].sort().values
+    if len(train_idx) == 0:
+        raise DataError(f"data.path={path!r}: too few images to hold out data.val_fraction.")
+
+    def split(idx: torch.Tensor) -> LazyImageMasks:
+        chosen = [stems[i] for i in idx.tolist()]
+        return LazyImageMasks(
+            [images[s] for s in chosen], [masks[s] for s in chosen], image_size, num_classes
+        )
+
+    return DataSplits(split(train_idx), split(val_idx), num_classes, augment)
+
+
+SHAPES = ("disc", "square", "triangle", "ring", "cross")
+
+
+def _shape_masks(kind: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, r: torch.Tensor):
+    """Which pixels each sample's shape covers: ``kind`` (N, an index into :data:`SHAPES`),
+    pixel offsets from the centre ``dy``/``dx`` (N×H×W) and radius ``r`` (N×1×1)."""
+    dist = (dy**2 + dx**2).sqrt()
+    ay, ax = dy.abs(), dx.abs()
+    covers = torch.stack(
+        [
+            dist <= r,  # disc
+            torch.maximum(ay, ax) <= 0.85 * r,  # square
+            (dy >= -r) & (dy <= r) & (ax <= (dy + r) / 2),  # triangle, apex up
+            (dist <= r) & (dist >= 0.55 * r),  # ring
+            ((ax <= r / 3) & (ay <= r)) | ((ay <= r / 3) & (ax <= r)),  # cross
+        ]
+    )
+    return covers[kind, torch.arange(len(kind))]
+
+
+def synthetic_shapes(
+    seed: int = 1234,
+    num_classes: int = 4,
+    train_size: int = 1024,
+    val_size: int = 256,
+    image_size: int = 64,
+    max_shapes: int = 3,
+    noise: float = 0.2,
+    augment: bool = True,
+) -> DataSplits:
+    """A learnable segmentation set generated from ``seed`` (the *data* seed): class 0 is the
+    background, classes 1 .. num_classes-1 are shapes (disc, square, triangle, ring, cross).
+
+    Each image holds 1 to ``max_shapes`` shapes of random class, place and size, later ones
+    in front, on a shaded background with Gaussian noise; a shape's colour leans to its class
+    but varies, so the model must learn the outline too. The mask is the per-pixel class."""
+    if not 2 <= num_classes <= len(SHAPES) + 1 or train_size < 1 or val_size < 1:
+        raise DataError(
+            f"data: synthetic_shapes needs 2 <= num_classes <= {len(SHAPES) + 1} and "
+            "train_size/val_size >= 1; fix the data.* values."
+        )
+    if image_size < 16 or max_shapes < 1:
+        raise DataError("data: synthetic_shapes needs image_size >= 16 and max_shapes >= 1.")
+    # each channel of a class colour is dark or bright, never the background's mid-grey
+    bright = torch.rand(num_classes, 3, generator=keyed_generator(seed, "palette")) < 0.5
+    palette = 0.15 + 0.7 * bright.float()
+
+    def make(split: str, n: int) -> TensorImages:
+        g = keyed_generator(seed, "synthetic-shapes-" + split)
+        coords = torch.arange(image_size, dtype=torch.float32) + 0.5
+        yy, xx = coords.view(1, -1, 1), coords.view(1, 1, -1)
+        tilt = torch.rand(n, 3, 2, generator=g) - 0.5  # a shaded background
+        img = (
+            0.5
+            + 0.2 * (torch.rand(n, 3, 1, 1, generator=g) - 0.5)
+            + 0.3 * (tilt[..., 0, None, None] * yy + tilt[..., 1, None, None] * xx) / image_size
+        ).expand(n, 3, image_size, image_size)
+        mask = torch.zeros(n, image_size, image_size, dtype=torch.uint8)
+        count = torch.randint(1, max_shapes + 1, (n,), generator=g)
+        for slot in range(max_shapes):
+            cls = torch.randint(1, num_classes, (n,), generator=g)
+            centre = (0.15 + 0.7 * torch.rand(n, 2, generator=g)) * image_size
+            r = (0.09 + 0.13 * torch.rand(n, generator=g)).view(n, 1, 1) * image_size
+            colour = (palette[cls] + 0.6 * (torch.rand(n, 3, generator=g) - 0.5)).clamp(0, 1)
+            dy = yy - centre[:, 0, None, None]
+            dx = xx - centre[:, 1, None, None]
+            covered = _shape_masks(cls - 1, dy, dx, r) & (slot < count).view(n, 1, 1)
+            img = torch.where(covered[:, None], colour[:, :, None, None], img)
+            mask = torch.where(covered, cls.to(torch.uint8).view(n, 1, 1), mask)
+        img = img + noise * torch.randn(n, 3, image_size, image_size, generator=g)
+        return TensorImages((img.clamp(0, 1) * 255).round().to(torch.uint8), mask)
+
+    return DataSplits(make("train", train_size), make("val", val_size), num_classes, augment)
 
 
 def cifar10(root: str = "data/cifar10", download: bool = True, augment: bool = True) -> DataSplits:
@@ -246,18 +478,19 @@ def random_crop_flip(
 
 
 def crop_flip_batch(
-    images: torch.Tensor, params: torch.Tensor, pad: int = CROP_PAD
+    images: torch.Tensor, params: torch.Tensor, pad: int = CROP_PAD, fill: int = 0
 ) -> torch.Tensor:
     """:func:`random_crop_flip` for a whole N×C×H×W batch at once, on its device: ``params``
-    holds each sample's (dy, dx, flip). Pure data movement (pad, then one gather of every
-    output pixel's source), so the bytes equal :func:`random_crop_flip`'s, image by image."""
+    holds each sample's (dy, dx, flip). Pure data movement (pad with ``fill``, then one gather
+    of every output pixel's source), so the bytes equal :func:`random_crop_flip`'s, image by
+    image."""
     n, c, h, w = images.shape
     params = params.to(images.device)
     dy, dx, flip = params[:, 0:1], params[:, 1:2], params[:, 2:3].bool()
     rows = dy + torch.arange(h, device=images.device)  # N×H
     cols = dx + torch.arange(w, device=images.device)  # N×W
     cols = torch.where(flip, cols.flip(1), cols)
-    padded = F.pad(images, (pad, pad, pad, pad)).flatten(2)  # N×C×(H+2p)(W+2p)
+    padded = F.pad(images, (pad, pad, pad, pad), value=fill).flatten(2)  # N×C×(H+2p)(W+2p)
     source = (rows[:, :, None] * (w + 2 * pad) + cols[:, None, :]).view(n, 1, h * w)
     return padded.gather(2, source.expand(n, c, h * w)).view(n, c, h, w)
 
@@ -272,27 +505,31 @@ def keyed_crop_flip_params(seed: int, keys: list[tuple[int, int]]) -> torch.Tens
 
 
 class KeyedBatches(Dataset):
-    """Fetches a whole micro-batch by its keys ``(epoch, index)``: one gather of the images
-    and labels, each image cropped and flipped with the draws keyed by ``(seed, "augment",
-    epoch, index)`` (:func:`crop_flip_batch`, one vectorised gather for the batch). The same
-    sample in the same epoch gets the same crop and flip in any worker, any process, after
-    any restart, and in any batch. Works where the split's tensors are: on the CPU for the
-    DataLoader, on the GPU for ``loader.on_device``."""
+    """Fetches a whole micro-batch by its keys ``(epoch, index)``: one fetch of the images
+    and targets, each image cropped and flipped with the draws keyed by ``(seed, "augment",
+    epoch, index)`` (:func:`crop_flip_batch`, one vectorised gather for the batch), and a
+    per-pixel mask with the very same crop and flip (pure data movement: no class is
+    interpolated; the padded border is :data:`IGNORE`). The same sample in the same epoch gets
+    the same crop and flip in any worker, any process, after any restart, and in any batch.
+    Works where the split is: on the CPU for the DataLoader, on the GPU for
+    ``loader.on_device``."""
 
-    def __init__(self, split: TensorImages, seed: int, augment: bool) -> None:
+    def __init__(self, split: TensorImages | LazyImageMasks, seed: int, augment: bool) -> None:
         self.split, self.seed, self.augment = split, seed, augment
 
     def __len__(self) -> int:
         return len(self.split)
 
     def __getitem__(self, keys: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        device = self.split.images.device
+        device = self.split.images.device if isinstance(self.split, TensorImages) else "cpu"
         index = torch.tensor([i for _, i in keys], dtype=torch.int64).to(device, non_blocking=True)
-        images = self.split.images[index]
+        images, targets = self.split.fetch(index)
         if self.augment:
             params = keyed_crop_flip_params(self.seed, keys).to(device, non_blocking=True)
             images = crop_flip_batch(images, params)
-        return images, self.split.labels[index]
+            if targets.dim() == 3:  # per-pixel masks move with their images
+                targets = crop_flip_batch(targets[:, None], params, fill=IGNORE)[:, 0]
+        return images, targets
 
 
 # ------------------------------------------------------------------ sampler, loader
@@ -404,8 +641,7 @@ def make_train_loader(
         len(splits.train), batch_size, micro_batch_size, seed, start_step, shard
     )
     if getattr(loader_cfg, "on_device", False):
-        device = device or torch.device("cpu")
-        split = TensorImages(splits.train.images.to(device), splits.train.labels.to(device))
+        split = splits.train.to(device or torch.device("cpu"))  # a split on disk: read in
         return DeviceBatches(KeyedBatches(split, seed, splits.augment), sampler)
     workers = int(loader_cfg.num_workers)
     extra = {}
@@ -435,11 +671,26 @@ def loading(loader: DataLoader | DeviceBatches) -> Iterator[Iterator]:
     them, forever (an error in the middle of a run hung the process that way)."""
     batches = iter(loader)
     try:
-        yield batches
+        yield _one_line_errors(batches)
     finally:
         shutdown = getattr(batches, "_shutdown_workers", None)  # a multi-worker DataLoader
         if shutdown is not None:
             shutdown()
+
+
+def _one_line_errors(batches: Iterator) -> Iterator:
+    """``batches``, with a user error raised in a loader worker (a corrupt image, a bad mask)
+    brought back to its one line: the DataLoader re-raises it in this process with the
+    worker's traceback in the message."""
+    while True:
+        try:
+            batch = next(batches)
+        except ReproError as err:
+            lines = [ln for ln in str(err).splitlines() if ln.strip()]
+            if len(lines) > 1 and lines[0].startswith("Caught "):
+                raise type(err)(lines[-1].split(": ", 1)[-1]) from None
+            raise
+        yield batch
 
 
 class DeviceNormalizer:
@@ -461,4 +712,4 @@ class DeviceNormalizer:
             .sub_(self.mean)
             .div_(self.std)
         )
-        return x, labels.to(self.device, non_blocking=True)
+        return x, labels.to(self.device, non_blocking=True).long()  # uint8 masks too

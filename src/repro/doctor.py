@@ -19,12 +19,22 @@ micro-batch, and three checks:
    nondeterministic.
 
 Exit status 0 when strict mode is clean (checks 2 and 3), 1 when it is not.
+
+``repro doctor --cost`` answers the other question, *where does strict mode cost time?*: each
+leaf module alone, and the task's loss, forward + backward on its recorded input, timed under
+strict flags and under fast flags (:func:`run_cost`); the modules where determinism is
+expensive are named, with the replacement ``repro.ops`` has for them.
+
+When strict mode stops a training run on an op without a deterministic kernel, the loop asks
+:func:`explain_nondeterministic_op` for the module that called it: one line, not a traceback.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import statistics
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,9 +44,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from repro.build import Precision, build_data, build_model, build_task, resolve_device
+from repro.build import Precision, Training, build_data, build_model, build_task, resolve_device
 from repro.data import DataSplits, DeviceNormalizer, make_train_loader
 from repro.determinism import flags_restored
+from repro.errors import DeterminismError
+from repro.ops import LOSS_KEY, REPLACEMENTS
 from repro.rng import seed_forward, seed_global_rngs
 from repro.trace import tensor_bytes
 
@@ -434,4 +446,261 @@ def run_doctor(cfg: DictConfig, repeats: int = 4, log: Callable[[str], None] = p
         )
     return DoctorReport(
         str(device), repeats, n_modules, fast_findings, op_findings, strict_findings, notes=notes
+    )
+
+
+# ------------------------------------------------------------------- a run stopped by strict
+
+
+def explain_nondeterministic_op(
+    error: BaseException, training: Training, inputs: torch.Tensor, targets: torch.Tensor
+) -> None:
+    """If ``error`` is strict mode refusing an op that has no deterministic kernel, raise a
+    one-line :class:`DeterminismError` naming the op, the module that calls it (or the task's
+    loss) and what to do; otherwise return. Finds the module as ``repro doctor`` does: one
+    forward + backward with the flags off recording every module's input, then each module
+    alone under strict flags."""
+    text = str(error)
+    if NONDETERMINISTIC not in text:
+        return
+    op = text.split(NONDETERMINISTIC)[0].strip().split()[-1]
+    model, task = training.model, training.task
+    autocast = training.precision.autocast
+    where = None
+    with flags_restored(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            set_flags(strict=False)
+            probe, _ = _repeat(model, inputs, targets, training.seed, autocast, task.loss, True)
+            torch.use_deterministic_algorithms(True)
+            found = _op_errors(probe, autocast, [])
+            with torch.no_grad(), autocast():
+                outputs = model(inputs)
+            loss = _loss_op_error(outputs, targets, task.loss)
+            found += [loss] if loss else []
+            where = next((f for f in found if f.where == op), found[0] if found else None)
+        except Exception:  # noqa: BLE001 - the explanation must not hide the error
+            where = None
+    device = inputs.device.type
+    if where is None:
+        place, fix = "", "replace the op"
+    elif where.module == LOSS:
+        place = f" in the task's loss ({type(task).__name__}.loss)"
+        fix = "replace it" + _replacement(LOSS_KEY, outputs.dim() == 4, " with ")
+    else:
+        place = f" in module {where.module or '(model)'} ({where.kind})"
+        fix = "replace the module" + _replacement(where.kind, True, " with ")
+    raise DeterminismError(
+        f"strict mode: {op} has no deterministic kernel on {device}{place}; {fix}, or train "
+        "with determinism=warn to list every such op (without the bit guarantee)."
+    ) from None
+
+
+def _replacement(key: str, applies: bool, prefix: str) -> str:
+    return f"{prefix}{REPLACEMENTS[key]}" if applies and key in REPLACEMENTS else ""
+
+
+# ----------------------------------------------------------------------- --cost
+
+
+@dataclass
+class Cost:
+    """One leaf module (or the task's loss): median forward + backward time, strict vs fast."""
+
+    module: str
+    kind: str
+    fast_ms: float
+    strict_ms: float | None  # None: strict mode raises (``raises`` names the op)
+    raises: str | None = None
+    replacement: str | None = None
+
+    @property
+    def speed(self) -> float | None:
+        """Strict's speed over fast's (fast time / strict time): 1 costs nothing."""
+        return None if self.strict_ms is None else self.fast_ms / self.strict_ms
+
+
+@dataclass
+class CostReport:
+    device: str
+    batch: str
+    repeats: int
+    model_fast_ms: float
+    model_strict_ms: float | None
+    model_raises: str | None
+    costs: list[Cost]
+
+    @property
+    def expensive(self) -> list[Cost]:
+        """The rows where determinism costs: strict raises, or it takes 5% of the whole
+        step's fast time more and runs below 0.8 of fast's speed."""
+        return [
+            c
+            for c in self.costs
+            if c.strict_ms is None
+            or (c.strict_ms - c.fast_ms > 0.05 * self.model_fast_ms and (c.speed or 1) < 0.8)
+        ]
+
+    def format(self, rows: int = 12) -> str:
+        whole = (
+            f"raises ({self.model_raises})"
+            if self.model_strict_ms is None
+            else f"strict {self.model_strict_ms:.3f} ms, speed strict / fast "
+            f"{self.model_fast_ms / self.model_strict_ms:.2f}"
+        )
+        lines = [
+            f"repro doctor --cost: forward + backward, strict vs fast, device {self.device}, "
+            f"batch {self.batch}, median of {self.repeats}",
+            f"whole model + loss: fast {self.model_fast_ms:.3f} ms, {whole}",
+            "",
+        ]
+        excess = lambda c: float("inf") if c.strict_ms is None else c.strict_ms - c.fast_ms  # noqa: E731
+        shown = sorted(self.costs, key=excess, reverse=True)[:rows]
+        table = [("module", "kind", "fast ms", "strict ms", "strict / fast")]
+        for c in shown:
+            strict = "raises" if c.strict_ms is None else f"{c.strict_ms:.3f}"
+            speed = "-" if c.speed is None else f"{c.speed:.2f}"
+            table.append((c.module, c.kind, f"{c.fast_ms:.3f}", strict, speed))
+        widths = [max(len(r[i]) for r in table) for i in range(5)]
+        for r in table:
+            lines.append("  " + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)))
+        if len(self.costs) > rows:
+            lines.append(f"  ... {len(self.costs) - rows} more (less strict-mode excess)")
+        lines.append("")
+        if not self.expensive:
+            lines.append(
+                "verdict: determinism is cheap here: no module is expensive in strict mode."
+            )
+        for c in self.expensive:
+            what = (
+                f"raises: {c.raises}" if c.strict_ms is None else f"{c.speed:.2f} of fast's speed"
+            )
+            fix = f"; use {c.replacement}" if c.replacement else ""
+            lines.append(f"expensive: {c.module} ({c.kind}): {what}{fix}")
+        lines.append(
+            "note: modules are timed alone; the whole-model line includes what runs outside them."
+        )
+        return "\n".join(lines)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _once(fn: Callable[[], None], device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return 1000 * (time.perf_counter() - start)
+
+
+def _module_pass(call: Call, autocast: Callable) -> Callable[[], None]:
+    """Forward + backward of one recorded module call, alone."""
+    inputs = [(t, rg) for t, rg in call.inputs]
+
+    def run() -> None:
+        xs = [t.clone().requires_grad_(True) * 1 if rg else t.clone() for t, rg in inputs]
+        with autocast():
+            out = call.module(*xs)
+        pairs = [
+            (o, g)
+            for o, g in zip(_tensors(out), call.grad_outputs, strict=False)
+            if g is not None and o.requires_grad
+        ]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
+        call.module.zero_grad(set_to_none=True)
+
+    return run
+
+
+def _both_modes(
+    fn: Callable[[], None], device: torch.device, repeats: int
+) -> tuple[float, float | None, str | None]:
+    """(fast ms, strict ms or None, the op strict mode refuses or None): medians over
+    ``repeats`` calls in each mode, alternating, after two warm-up calls in each (cuDNN
+    autotunes in fast mode)."""
+
+    def mode(strict: bool) -> None:
+        set_flags(strict=strict)
+        torch.use_deterministic_algorithms(strict, warn_only=False)
+
+    times: dict[bool, list[float]] = {False: [], True: []}
+    try:
+        for r in range(repeats + 2):
+            for strict in (False, True):
+                mode(strict)
+                ms = _once(fn, device)
+                if r >= 2:
+                    times[strict].append(ms)
+    except RuntimeError as err:
+        if NONDETERMINISTIC not in str(err) or not torch.are_deterministic_algorithms_enabled():
+            raise
+        mode(False)
+        fast = statistics.median([_once(fn, device) for _ in range(repeats)])
+        return fast, None, str(err).split(NONDETERMINISTIC)[0].strip().split()[-1]
+    return statistics.median(times[False]), statistics.median(times[True]), None
+
+
+def run_cost(cfg: DictConfig, repeats: int = 10, log: Callable[[str], None] = print) -> CostReport:
+    """Time each leaf module of the configured model, and the task's loss, forward +
+    backward, under strict and fast flags, on micro-batch 0 of step 0."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", str(cfg.determinism.cublas_workspace_config))
+    device = resolve_device(str(cfg.device))
+    seed = int(cfg.seed)
+    seed_global_rngs(seed)
+    splits = build_data(cfg)
+    model = build_model(cfg, splits, device)
+    model.train()
+    task = build_task(cfg, splits)
+    images, labels = first_batch(cfg, splits, device)
+    autocast = Precision(cfg.amp, device).autocast
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    costs = []
+    with flags_restored(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        set_flags(strict=False)
+        probe, _ = _repeat(model, images, labels, seed, autocast, task.loss, keep=True)
+        with torch.no_grad(), autocast():
+            logits = model(images)
+
+        def whole() -> None:
+            seed_forward(device, seed, 0, 0)
+            with autocast():
+                out = model(images)
+            task.loss(out, labels).backward()
+            model.zero_grad(set_to_none=True)
+
+        log(f"timing the whole model + loss, strict vs fast, {repeats} repeats each")
+        model_fast, model_strict, model_raises = _both_modes(whole, device, repeats)
+        leaves = [c for c in probe.calls.values() if not any(True for _ in c.module.children())]
+        log(f"timing {len(leaves)} leaf module calls and the loss, strict vs fast")
+        for call in leaves:
+            fast, strict, raises = _both_modes(_module_pass(call, autocast), device, repeats)
+            costs.append(
+                Cost(call.name, call.kind, fast, strict, raises, REPLACEMENTS.get(call.kind))
+            )
+
+        def loss_pass() -> None:
+            x = logits.detach().clone().requires_grad_(True)
+            task.loss(x, labels).backward()
+
+        fast, strict, raises = _both_modes(loss_pass, device, repeats)
+        costs.append(
+            Cost(
+                LOSS,
+                type(task).__name__,
+                fast,
+                strict,
+                raises,
+                REPLACEMENTS[LOSS_KEY] if logits.dim() == 4 else None,
+            )
+        )
+    model.load_state_dict(state)
+    batch = "×".join(str(d) for d in images.shape)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return CostReport(
+        f"{device} ({name})", batch, repeats, model_fast, model_strict, model_raises, costs
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from repro.build import Training
-from repro.data import DeviceNormalizer, TensorImages
+from repro.data import DeviceNormalizer, LazyImageMasks, TensorImages
 from repro.errors import ConfigError
 from repro.rng import global_rng_states, set_global_rng_states
 from repro.tasks import Task
@@ -14,16 +14,20 @@ from repro.tasks import Task
 
 @torch.no_grad()
 def evaluate(
-    training: Training, split: TensorImages, normalize: DeviceNormalizer, batch_size: int
+    training: Training,
+    split: TensorImages | LazyImageMasks,
+    normalize: DeviceNormalizer,
+    batch_size: int,
+    limit: int | None = None,
 ) -> dict[str, float]:
-    """The task's metrics on ``split`` (fixed order, no augmentation, no dropout)."""
+    """The task's metrics on ``split`` (its first ``limit`` samples; fixed order, no
+    augmentation, no dropout)."""
     model, task = training.model, training.task
+    n = len(split) if limit is None else min(limit, len(split))
     model.eval()
     totals: dict[str, torch.Tensor] = {}
-    for i in range(0, len(split), batch_size):
-        inputs, targets = normalize(
-            split.images[i : i + batch_size], split.labels[i : i + batch_size]
-        )
+    for i in range(0, n, batch_size):
+        inputs, targets = normalize(*split.fetch(torch.arange(i, min(i + batch_size, n))))
         with training.precision.autocast():
             outputs = model(inputs)
         for name, value in task.statistics(outputs, targets).items():
@@ -34,17 +38,21 @@ def evaluate(
     return metrics
 
 
-def check_task(training: Training, split: TensorImages, normalize: DeviceNormalizer) -> list[str]:
+def check_task(
+    training: Training, split: TensorImages | LazyImageMasks, normalize: DeviceNormalizer
+) -> list[str]:
     """The task's metrics on a few validation samples before the first step, so that a wrong
     headline or metric name fails now, not at the first evaluation; returns their names. The
     global RNGs are put back afterwards (a model may draw from them even in evaluation), so
     the run's bits are those it would have without the check."""
-    n = min(len(split), 4)
     states = global_rng_states()
     try:
-        return list(
-            evaluate(training, TensorImages(split.images[:n], split.labels[:n]), normalize, n)
-        )
+        return list(evaluate(training, split, normalize, 4, limit=4))
+    except RuntimeError as err:  # strict mode and an op with no deterministic kernel?
+        from repro.doctor import explain_nondeterministic_op
+
+        explain_nondeterministic_op(err, training, *normalize(*split.fetch(torch.arange(2))))
+        raise
     finally:
         set_global_rng_states(states)
 

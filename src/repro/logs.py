@@ -26,6 +26,8 @@ from repro.progress import Progress
 from repro.trace import TraceWriter
 
 log = logging.getLogger("repro")
+# The console line shows a task's first metrics; eval.csv and trace.jsonl hold them all.
+CONSOLE_METRICS = 4
 METRICS_FIELDS = ["step", "epoch", "loss", "grad_norm", "lr"]
 
 
@@ -156,7 +158,7 @@ class TrainingLog:
             self.flush()
             self.evals.write([[done, *evaluation.values()]])
             self.progress.close()
-            shown = "  ".join(f"{k} {v:.4f}" for k, v in evaluation.items())
+            shown = "  ".join(f"{k} {v:.4f}" for k, v in list(evaluation.items())[:CONSOLE_METRICS])
             log.info(f"step {done}/{self.max_steps}  loss {self.last_loss:.4f}  {shown}")
         elif done % self.log_every == 0:
             self.flush()

@@ -46,6 +46,7 @@ from repro.data import DeviceNormalizer, loading
 from repro.determinism import DeterminismReport, apply_determinism
 from repro.dist import World, broadcast_object, on_main
 from repro.dist import init as init_world
+from repro.doctor import explain_nondeterministic_op
 from repro.evaluation import check_task, evaluate
 from repro.files import ENV_FILE, SUMMARY_FILE
 from repro.fingerprint import environment, run_fingerprint
@@ -117,7 +118,11 @@ def train(
                 record["resumed"] = resumes[-1]
             lr = training.schedule.get_last_lr()[0]
             micro = [normalize(*b) for b in raw]
-            loss, grad_norm = train_step(training, micro, step, first=first, reducer=reducer)
+            try:
+                loss, grad_norm = train_step(training, micro, step, first=first, reducer=reducer)
+            except RuntimeError as err:  # strict mode and an op with no deterministic kernel?
+                explain_nondeterministic_op(err, training, *micro[0])  # one line if so
+                raise
             clock.tick(done)
             if after_step is not None:
                 after_step(done, training.model)

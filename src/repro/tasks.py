@@ -18,17 +18,22 @@ one it runs. It owns four things:
     --tolerance`` lead with (``higher_is_better`` says which way is better).
 
 ``outputs`` is what the model returns for a batch; ``targets`` is what the dataset gives
-beside the inputs (class labels, ``N``; or anything else a dataset of yours returns as a
-tensor: per-pixel masks need ``data.augment=false``, as the shipped crop and flip move the
-images only). Metrics are named ``val_*``; the headline is one of them. A new task is a
-subclass named by ``task._target_=mypkg.MyTask``; it receives ``num_classes`` from the
-dataset when its constructor takes it. See ``docs/extending.md``.
+beside the inputs (class labels, ``N``; per-pixel class masks, ``N×H×W``, which the keyed
+crop and flip move with their images; or any tensor a dataset of yours returns). Metrics are
+named ``val_*``; the headline is one of them. A new task is a subclass named by
+``task._target_=mypkg.MyTask``; it receives ``num_classes`` from the dataset when its
+constructor takes it. See ``docs/extending.md``.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
+
+from repro.errors import ConfigError
+from repro.ops import dense_cross_entropy
 
 
 class Task:
@@ -70,3 +75,146 @@ class Classification(Task):
             "val_loss": totals["loss_sum"].item() / count,
             "val_accuracy": int(totals["correct"]) / count,
         }
+
+
+CROSS_ENTROPY = {
+    "repro": "repro.ops.dense_cross_entropy: deterministic on CUDA",
+    "torch": "F.cross_entropy on N×C×H×W: raises in strict mode on CUDA",
+    "torch_flat": "F.cross_entropy on (N·H·W)×C: the usual workaround",
+}
+
+
+class Segmentation(Task):
+    """Per-pixel classification (``conf/task/segmentation.yaml``).
+
+    **Loss** of one sample: ``cross_entropy_weight`` × its pixels' cross-entropy (the
+    mean over its scored pixels, class-weighted by ``class_weights`` as ``F.cross_entropy``
+    weights its mean) + ``dice_weight`` × its soft-Dice loss (1 − the mean over classes of
+    ``(2 Σ p·y + 1) / (Σ p + Σ y + 1)`` on the softmax ``p``). Per sample, so a sample's loss
+    does not depend on which micro-batch it is in; summed over the micro-batch, as the loop
+    wants. Pixels whose mask is ``ignore_index`` (or not a class: a crop's padded border) are
+    not scored. ``cross_entropy="repro"`` computes the cross-entropy with
+    :func:`repro.ops.dense_cross_entropy`; ``"torch"`` with ``F.cross_entropy``, whose 4-D
+    form has no deterministic CUDA kernel (strict mode stops the run and says so);
+    ``"torch_flat"`` with its 2-D form on the pixels as rows (the usual workaround).
+
+    **Metrics**, from one integer confusion matrix summed over the validation batches (so
+    they do not depend on the eval batch size or the world size): ``val_dice`` (the
+    headline) and ``val_iou``, means over the classes (the background, class 0, left out
+    unless ``include_background``; a class absent from both masks and predictions is left
+    out of the means and reported as nan), per class ``val_dice_<c>`` and ``val_iou_<c>``,
+    ``val_pixel_accuracy`` and ``val_loss`` (the mean per image)."""
+
+    headline = "val_dice"
+    higher_is_better = True
+
+    def __init__(
+        self,
+        num_classes: int,
+        cross_entropy_weight: float = 1.0,
+        dice_weight: float = 1.0,
+        class_weights: list[float] | None = None,
+        ignore_index: int = 255,
+        include_background: bool = False,
+        cross_entropy: str = "repro",
+    ) -> None:
+        if cross_entropy not in CROSS_ENTROPY:
+            raise ConfigError(
+                f"task.cross_entropy={cross_entropy!r} is invalid; allowed: "
+                + ", ".join(f"{k} ({v})" for k, v in CROSS_ENTROPY.items())
+                + "."
+            )
+        if class_weights is not None and len(class_weights) != num_classes:
+            raise ConfigError(
+                f"task.class_weights has {len(class_weights)} entries for {num_classes} "
+                "classes; give one weight per class, or null."
+            )
+        if cross_entropy_weight < 0 or dice_weight < 0 or cross_entropy_weight + dice_weight == 0:
+            raise ConfigError(
+                "task.cross_entropy_weight and task.dice_weight must be >= 0, not both 0."
+            )
+        self.num_classes, self.ignore_index = num_classes, ignore_index
+        self.ce_weight, self.dice_weight = cross_entropy_weight, dice_weight
+        self.class_weights = None if class_weights is None else torch.tensor(class_weights)
+        self.include_background, self.cross_entropy = include_background, cross_entropy
+
+    def scored(self, targets: torch.Tensor) -> torch.Tensor:
+        """The pixels that count: a class, and not ``ignore_index``."""
+        return (targets >= 0) & (targets < self.num_classes) & (targets != self.ignore_index)
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = outputs.float()
+        scored = self.scored(targets)
+        weight = None if self.class_weights is None else self.class_weights.to(logits.device)
+        if self.cross_entropy == "repro":
+            pixel = dense_cross_entropy(logits, targets, weight, self.ignore_index)
+        elif self.cross_entropy == "torch":
+            pixel = F.cross_entropy(
+                logits, targets, weight, ignore_index=self.ignore_index, reduction="none"
+            )
+        else:  # the usual workaround: the 2-D form, (N·H·W, C), which strict mode accepts
+            flat = F.cross_entropy(
+                logits.movedim(1, -1).flatten(0, -2),
+                targets.flatten(),
+                weight,
+                ignore_index=self.ignore_index,
+                reduction="none",
+            )
+            pixel = flat.view_as(targets)
+        pixel_weight = scored.float()
+        if weight is not None:
+            pixel_weight = pixel_weight * weight[targets.clamp(0, self.num_classes - 1)]
+        ce = pixel.sum((1, 2)) / pixel_weight.sum((1, 2)).clamp_min(1e-12)
+        total = self.ce_weight * ce.sum()
+        if self.dice_weight:
+            total = total + self.dice_weight * self.soft_dice_loss(logits, targets, scored).sum()
+        return total
+
+    def soft_dice_loss(
+        self, logits: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor
+    ) -> torch.Tensor:
+        """1 − the soft Dice per sample (N), over every class, on the scored pixels."""
+        c = self.num_classes
+        p = torch.softmax(logits, dim=1) * scored.unsqueeze(1)
+        classes = torch.arange(c, device=logits.device).view(1, c, 1, 1)
+        y = (targets.unsqueeze(1) == classes) & scored.unsqueeze(1)
+        overlap = (p * y).sum((2, 3))
+        dice = (2 * overlap + 1) / (p.sum((2, 3)) + y.sum((2, 3)) + 1)
+        return 1 - dice.mean(1)
+
+    def statistics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        c = self.num_classes
+        scored = self.scored(targets)
+        cell = torch.where(scored, targets.long() * c + outputs.argmax(dim=1), c * c)
+        confusion = torch.bincount(cell.flatten(), minlength=c * c + 1)[: c * c]
+        return {
+            "loss_sum": self.loss(outputs, targets).double(),
+            "confusion": confusion.view(c, c),  # [true class, predicted class], int64
+            "count": torch.tensor(len(targets), dtype=torch.int64, device=targets.device),
+        }
+
+    def metrics(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
+        confusion = totals["confusion"].cpu()
+        tp = confusion.diag()
+        fp, fn = confusion.sum(0) - tp, confusion.sum(1) - tp
+        dice = [_ratio(2 * t, 2 * t + p + n) for t, p, n in zip(tp, fp, fn, strict=True)]
+        iou = [_ratio(t, t + p + n) for t, p, n in zip(tp, fp, fn, strict=True)]
+        first = 0 if self.include_background else 1
+        out = {
+            "val_loss": totals["loss_sum"].item() / int(totals["count"]),
+            "val_dice": _mean(dice[first:]),
+            "val_iou": _mean(iou[first:]),
+            "val_pixel_accuracy": _ratio(tp.sum(), confusion.sum()),
+        }
+        out.update({f"val_dice_{k}": v for k, v in enumerate(dice)})
+        out.update({f"val_iou_{k}": v for k, v in enumerate(iou)})
+        return out
+
+
+def _ratio(a: torch.Tensor, b: torch.Tensor) -> float:
+    return int(a) / int(b) if int(b) else math.nan
+
+
+def _mean(values: list[float]) -> float:
+    present = [v for v in values if not math.isnan(v)]
+    return sum(present) / len(present) if present else math.nan

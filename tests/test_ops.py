@@ -1,0 +1,135 @@
+"""repro.ops against PyTorch's ops: the values (to a tolerance: the backward's summation order
+differs), the bits (twice identical), and, on CUDA, strict mode (PyTorch's ops raise or
+sort; these run). The CPU tests run everywhere; the `cuda` ones on the GPU machine."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import cuda
+from repro.determinism import flags_restored
+from repro.ops import Upsample2x, dense_cross_entropy, upsample2x
+
+SHAPES = [(2, 3, 5, 7), (1, 1, 1, 1), (1, 2, 1, 6), (2, 4, 16, 16)]
+
+
+def stock_upsample(x):
+    return F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False)
+
+
+def forward_backward(fn, x, grad):
+    x = x.detach().clone().requires_grad_(True)
+    y = fn(x)
+    y.backward(grad)
+    return y.detach(), x.grad
+
+
+def upsample_case(shape, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g, dtype=dtype).to(device)
+    n, c, h, w = shape
+    grad = torch.randn(n, c, 2 * h, 2 * w, generator=g, dtype=dtype).to(device)
+    return x, grad
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_upsample2x_forward_is_pytorchs_and_backward_is_its_transpose(shape):
+    x, grad = upsample_case(shape, torch.float64)
+    y, gx = forward_backward(upsample2x, x, grad)
+    y_ref, gx_ref = forward_backward(stock_upsample, x, grad)
+    assert torch.equal(y, y_ref)  # the same call: the same bits
+    torch.testing.assert_close(gx, gx_ref, rtol=0, atol=1e-12)
+
+
+def test_upsample2x_float32_backward_is_close_and_repeats_bit_exactly():
+    x, grad = upsample_case((4, 8, 32, 32), torch.float32, seed=1)
+    y, gx = forward_backward(upsample2x, x, grad)
+    _, gx_ref = forward_backward(stock_upsample, x, grad)
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(forward_backward(upsample2x, x, grad)[1], gx)
+
+
+def test_upsample2x_is_a_module_and_refuses_other_ranks():
+    x = torch.randn(1, 2, 3, 3)
+    assert torch.equal(Upsample2x()(x), stock_upsample(x))
+    with pytest.raises(ValueError, match="N×C×H×W"):
+        upsample2x(torch.randn(2, 3, 4))
+
+
+def cross_entropy_case(device="cpu", classes=5, weight=False):
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, classes, 9, 11, generator=g).to(device)
+    target = torch.randint(0, classes, (3, 9, 11), generator=g).to(device)
+    target[0, :2] = 255  # ignored
+    w = (torch.rand(classes, generator=g) + 0.5).to(device) if weight else None
+    return logits, target, w
+
+
+@pytest.mark.parametrize("weight", [False, True])
+def test_dense_cross_entropy_is_pytorchs_value_and_gradient(weight):
+    logits, target, w = cross_entropy_case(weight=weight)
+    x1 = logits.clone().requires_grad_(True)
+    ours = dense_cross_entropy(x1, target, w, ignore_index=255)
+    ours.sum().backward()
+    x2 = logits.clone().requires_grad_(True)
+    ref = F.cross_entropy(x2, target, w, ignore_index=255, reduction="none")
+    ref.sum().backward()
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-6, atol=1e-7)
+    assert bool((ours[0, :2] == 0).all())  # ignored pixels cost nothing
+
+
+def test_dense_cross_entropy_scores_nothing_outside_the_classes():
+    logits, target, _ = cross_entropy_case()
+    target[1] = 7  # not a class (a crop's padding with another ignore_index, say)
+    loss = dense_cross_entropy(logits, target, ignore_index=-100)
+    assert bool((loss[1] == 0).all()) and bool((loss[2] > 0).all())
+
+
+# ------------------------------------------------------------------------------ CUDA
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_upsample2x_on_cuda_in_strict_mode_matches_and_repeats(dtype):
+    x, grad = upsample_case((8, 32, 64, 64), torch.float32, seed=3)
+    x, grad = x.cuda().to(dtype), grad.cuda()
+    with flags_restored():
+        torch.use_deterministic_algorithms(True)
+        y, gx = forward_backward(upsample2x, x, grad.to(dtype))
+        y2, gx2 = forward_backward(upsample2x, x, grad.to(dtype))
+        y_ref, gx_ref = forward_backward(stock_upsample, x, grad.to(dtype))
+    assert torch.equal(y, y_ref)  # forward: PyTorch's own kernel
+    assert torch.equal(y, y2) and torch.equal(gx, gx2)  # bits repeat
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(gx.float(), gx_ref.float(), rtol=tol, atol=tol)
+
+
+@cuda
+@pytest.mark.cuda
+def test_upsample2x_under_autocast_gives_pytorchs_forward_bits():
+    x, grad = upsample_case((4, 16, 32, 32), torch.float32, seed=4)
+    x = x.cuda().bfloat16()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ours, ref = upsample2x(x), stock_upsample(x)
+    assert ours.dtype == ref.dtype and torch.equal(ours, ref)
+
+
+@cuda
+@pytest.mark.cuda
+def test_dense_cross_entropy_runs_in_strict_mode_on_cuda_where_pytorchs_raises():
+    logits, target, w = cross_entropy_case("cuda", weight=True)
+    with flags_restored():
+        torch.use_deterministic_algorithms(True)
+        with pytest.raises(RuntimeError, match="does not have a deterministic implementation"):
+            F.cross_entropy(logits.requires_grad_(True), target, w, ignore_index=255)
+        grads = []
+        for _ in range(2):
+            x = logits.detach().clone().requires_grad_(True)
+            dense_cross_entropy(x, target, w, ignore_index=255).sum().backward()
+            grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])
+    x = logits.detach().clone().requires_grad_(True)
+    F.cross_entropy(x, target, w, ignore_index=255, reduction="none").sum().backward()
+    torch.testing.assert_close(grads[0], x.grad, rtol=1e-5, atol=1e-6)
