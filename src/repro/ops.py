@@ -6,14 +6,18 @@ between a segmentation model and strict mode at fast mode's speed (measured on a
 torch 2.11; ``docs/segmentation.md``):
 
 - **bilinear upsampling**: its backward scatters every output gradient into the input with
-  atomic adds; the deterministic kernel sorts the scatter (``indexing_backward_kernel``), most
-  of a small UNet's strict step. :class:`Upsample2x` keeps PyTorch's forward (the very same
-  call, so the same bits) and computes the backward in *gather* form: each input pixel reads
-  the (at most four) output gradients that touch it along each axis. No atomics, no sort.
-- **per-pixel cross-entropy**: ``F.cross_entropy`` on (N, C, H, W) dispatches to
-  ``nll_loss2d``, which raises in strict mode on CUDA (and not on a CPU, so CI never sees
-  it). :func:`dense_cross_entropy` is the same loss from ``log_softmax`` and a one-hot mask:
-  elementwise ops and a reduction over C, all deterministic.
+  atomic adds. Under strict mode ``F.interpolate`` switches on CUDA to a decomposition into
+  indexing ops whose backward is a sorted ``index_put`` (``indexing_backward_kernel``): most
+  of a small UNet's strict step. :class:`Upsample2x` computes 2× bilinear upsampling in
+  *gather* form both ways, separably: each output reads its two neighbours along an axis
+  (forward), each input reads the (at most four) output gradients that touch it (backward).
+  Seven and nine kernels, no atomics, no sort, the same in strict and fast mode.
+- **per-pixel cross-entropy**: ``F.cross_entropy`` on (N, C, H, W) with its default
+  (mean) or sum reduction dispatches to ``nll_loss2d``'s reducing kernel, which raises in
+  strict mode on CUDA (and not on a CPU, so CI never sees it). :func:`dense_cross_entropy` is
+  the per-pixel loss from ``log_softmax`` and a one-hot mask: elementwise ops and a reduction
+  over C, all deterministic, and a crop's padded border costs nothing whatever
+  ``ignore_index`` is (``F.cross_entropy`` fails on a target outside the classes).
 
 Both are checked against PyTorch's ops (values, to a tolerance) and for repeatability (bits)
 in ``tests/test_ops.py``, on the CPU and, marked ``cuda``, on the GPU. ``repro doctor
@@ -30,7 +34,7 @@ from torch import nn
 # is slow there. Keys: the module's class name; LOSS_KEY: the task's loss.
 LOSS_KEY = "loss"
 REPLACEMENTS = {
-    "Upsample": "repro.ops.Upsample2x (bilinear, scale 2: same forward, gather-form backward)",
+    "Upsample": "repro.ops.Upsample2x (bilinear, scale 2, gather form both ways)",
     "UpsamplingBilinear2d": "repro.ops.Upsample2x (note: align_corners=False)",
     "AdaptiveAvgPool2d": "x.mean(dim=(2, 3), keepdim=True) (for output size 1)",
     "AdaptiveMaxPool2d": "x.amax(dim=(2, 3), keepdim=True) (for output size 1)",
@@ -38,35 +42,54 @@ REPLACEMENTS = {
 }
 
 
-def _adjoint_2x(grad: torch.Tensor, dim: int) -> torch.Tensor:
-    """The transpose of 2× linear upsampling (``align_corners=False``) along ``dim``.
+def _pad_one(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` with its first and last entries along ``dim`` repeated once: one ``cat``, not
+    ``F.pad(mode="replicate")``, which under strict mode on CUDA turns into slower indexing."""
+    n = x.shape[dim]
+    return torch.cat([x.narrow(dim, 0, 1), x, x.narrow(dim, n - 1, 1)], dim)
 
-    Forward, per axis, for input x of length n and output y of length 2n:
-    ``y[2i] = 0.75 x[i] + 0.25 x[i-1]``, ``y[2i+1] = 0.75 x[i] + 0.25 x[i+1]``, with
-    ``y[0] = x[0]`` and ``y[2n-1] = x[n-1]`` at the edges. So input i gathers
-    ``0.75 (y[2i] + y[2i+1]) + 0.25 (y[2i-1] + y[2i+2])``; at an edge the missing neighbour is
-    the edge's own other output (the edge output's weight is 1, not 0.75)."""
-    assert dim < 0  # counted from the end: the pair axis is then `dim` itself after unflatten
-    pairs = grad.unflatten(dim, (grad.shape[dim] // 2, 2))
-    even, odd = pairs.select(dim, 0), pairs.select(dim, 1)
-    n = even.shape[dim]
-    before = torch.cat([even.narrow(dim, 0, 1), odd.narrow(dim, 0, n - 1)], dim)
-    after = torch.cat([even.narrow(dim, 1, n - 1), odd.narrow(dim, n - 1, 1)], dim)
-    return 0.75 * (even + odd) + 0.25 * (before + after)
+
+def _upsample_axis(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """2× linear upsampling along ``dim`` (-1 or -2), ``align_corners=False``:
+    ``y[2i] = 0.75 x[i] + 0.25 x[i-1]`` and ``y[2i+1] = 0.75 x[i] + 0.25 x[i+1]``, an edge's
+    missing neighbour being the edge itself (so ``y[0] = x[0]``). Each output reads its two
+    inputs (a gather): three kernels, a padding and two ``lerp`` into the interleaved output."""
+    n = x.shape[dim]
+    padded = _pad_one(x, dim)
+    centre = padded.narrow(dim, 1, n)
+    shape = list(x.shape)
+    shape[dim:] = [n, 2] if dim == -1 else [n, 2, shape[-1]]
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    torch.lerp(centre, padded.narrow(dim, 0, n), 0.25, out=out.select(dim, 0))
+    torch.lerp(centre, padded.narrow(dim, 2, n), 0.25, out=out.select(dim, 1))
+    return out.flatten(dim - 1, dim)
+
+
+def _adjoint_axis(grad: torch.Tensor, dim: int) -> torch.Tensor:
+    """The transpose of :func:`_upsample_axis`, also in gather form: input i collects
+    ``0.75 (g[2i] + g[2i+1]) + 0.25 (g[2i-1] + g[2i+2])``, where at an edge the missing
+    gradient is the edge output's own (its weight on the edge input is 1, not 0.75): a
+    replicating pad gives exactly that. Four kernels, no atomics, no sort."""
+    n = grad.shape[dim] // 2
+    pairs = _pad_one(grad, dim).unflatten(dim, (n + 1, 2))  # pair k: (g[2k-1], g[2k])
+    lead, tail = pairs.narrow(dim - 1, 0, n), pairs.narrow(dim - 1, 1, n)
+    near = lead.select(dim, 1) + tail.select(dim, 0)  # g[2i] + g[2i+1]
+    far = lead.select(dim, 0) + tail.select(dim, 1)  # g[2i-1] + g[2i+2]
+    return torch.lerp(near, far, 0.25)  # 0.75 near + 0.25 far
 
 
 class _Upsample2xBilinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.input_dtype = x.dtype
-        return F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False)
+        y = x.to(torch.promote_types(x.dtype, torch.float32))
+        return _upsample_axis(_upsample_axis(y, -1), -2)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         g = grad.to(torch.promote_types(grad.dtype, torch.float32))
-        g = _adjoint_2x(_adjoint_2x(g, -2), -1)
-        return g.to(ctx.input_dtype)
+        return _adjoint_axis(_adjoint_axis(g, -2), -1).to(ctx.input_dtype)
 
 
 def upsample2x(x: torch.Tensor) -> torch.Tensor:

@@ -79,8 +79,8 @@ class Classification(Task):
 
 CROSS_ENTROPY = {
     "repro": "repro.ops.dense_cross_entropy: deterministic on CUDA",
-    "torch": "F.cross_entropy on N×C×H×W: raises in strict mode on CUDA",
-    "torch_flat": "F.cross_entropy on (N·H·W)×C: the usual workaround",
+    "torch": "F.cross_entropy summed on N×C×H×W: raises in strict mode on CUDA",
+    "torch_flat": "F.cross_entropy summed on (N·H·W)×C: the usual workaround",
 }
 
 
@@ -94,9 +94,11 @@ class Segmentation(Task):
     does not depend on which micro-batch it is in; summed over the micro-batch, as the loop
     wants. Pixels whose mask is ``ignore_index`` (or not a class: a crop's padded border) are
     not scored. ``cross_entropy="repro"`` computes the cross-entropy with
-    :func:`repro.ops.dense_cross_entropy`; ``"torch"`` with ``F.cross_entropy``, whose 4-D
-    form has no deterministic CUDA kernel (strict mode stops the run and says so);
-    ``"torch_flat"`` with its 2-D form on the pixels as rows (the usual workaround).
+    :func:`repro.ops.dense_cross_entropy`. The other two are for comparison (``repro doctor
+    --cost``, ``scripts/benchmark.py``): what a PyTorch user writes, ``F.cross_entropy(...,
+    reduction="sum")`` over H·W, on N×C×H×W (``"torch"``: no deterministic CUDA kernel,
+    strict mode stops the run and says so) or on the pixels as rows (``"torch_flat"``, the
+    usual workaround); without class weights and ignored pixels they equal ``"repro"``.
 
     **Metrics**, from one integer confusion matrix summed over the validation batches (so
     they do not depend on the eval batch size or the world size): ``val_dice`` (the
@@ -145,30 +147,32 @@ class Segmentation(Task):
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = outputs.float()
         scored = self.scored(targets)
-        weight = None if self.class_weights is None else self.class_weights.to(logits.device)
-        if self.cross_entropy == "repro":
-            pixel = dense_cross_entropy(logits, targets, weight, self.ignore_index)
-        elif self.cross_entropy == "torch":
-            pixel = F.cross_entropy(
-                logits, targets, weight, ignore_index=self.ignore_index, reduction="none"
-            )
-        else:  # the usual workaround: the 2-D form, (N·H·W, C), which strict mode accepts
-            flat = F.cross_entropy(
-                logits.movedim(1, -1).flatten(0, -2),
-                targets.flatten(),
-                weight,
-                ignore_index=self.ignore_index,
-                reduction="none",
-            )
-            pixel = flat.view_as(targets)
-        pixel_weight = scored.float()
-        if weight is not None:
-            pixel_weight = pixel_weight * weight[targets.clamp(0, self.num_classes - 1)]
-        ce = pixel.sum((1, 2)) / pixel_weight.sum((1, 2)).clamp_min(1e-12)
-        total = self.ce_weight * ce.sum()
+        total = self.ce_weight * self.cross_entropy_sum(logits, targets, scored)
         if self.dice_weight:
             total = total + self.dice_weight * self.soft_dice_loss(logits, targets, scored).sum()
         return total
+
+    def cross_entropy_sum(
+        self, logits: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor
+    ) -> torch.Tensor:
+        """The micro-batch's sum of per-image cross-entropies (see the class docstring)."""
+        weight = None if self.class_weights is None else self.class_weights.to(logits.device)
+        if self.cross_entropy == "repro":
+            pixel = dense_cross_entropy(logits, targets, weight, self.ignore_index)
+            pixel_weight = scored.float()
+            if weight is not None:
+                pixel_weight = pixel_weight * weight[targets.clamp(0, self.num_classes - 1)]
+            return (pixel.sum((1, 2)) / pixel_weight.sum((1, 2)).clamp_min(1e-12)).sum()
+        # What a PyTorch user writes: the pixels' sum, over the pixels of an image (equal to
+        # the above without class weights and ignored pixels).
+        if self.cross_entropy == "torch":
+            inputs, labels = logits, targets
+        else:  # the usual workaround for strict mode: the 2-D form, pixels as rows
+            inputs, labels = logits.movedim(1, -1).flatten(0, -2), targets.flatten()
+        total = F.cross_entropy(
+            inputs, labels, weight, ignore_index=self.ignore_index, reduction="sum"
+        )
+        return total / targets[0].numel()
 
     def soft_dice_loss(
         self, logits: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor
