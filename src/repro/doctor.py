@@ -472,10 +472,10 @@ def explain_nondeterministic_op(
         try:
             set_flags(strict=False)
             probe, _ = _repeat(model, inputs, targets, training.seed, autocast, task.loss, True)
-            torch.use_deterministic_algorithms(True)
-            found = _op_errors(probe, autocast, [])
             with torch.no_grad(), autocast():
                 outputs = model(inputs)
+            torch.use_deterministic_algorithms(True)
+            found = _op_errors(probe, autocast, [])
             loss = _loss_op_error(outputs, targets, task.loss)
             found += [loss] if loss else []
             where = next((f for f in found if f.where == op), found[0] if found else None)
