@@ -82,6 +82,28 @@ MUTATIONS = [
             "test_third_party_randomness_resumes_exactly_because_the_rng_states_are_restored",
         ],
     ),
+    Mutation(
+        "mask-stays",
+        "a segmentation mask not cropped and flipped with its image",
+        "src/repro/data.py",
+        "                targets = crop_flip_batch(targets[:, None], params, fill=IGNORE)[:, 0]\n",
+        "                pass\n",
+        ["tests/test_segmentation.py::test_masks_get_their_images_crop_and_flip"],
+    ),
+    Mutation(
+        "adjoint-edge",
+        "upsample2x's backward without the edge correction (edge weight 0.75, not 1)",
+        "src/repro/ops.py",
+        "    pairs = _pad_one(grad, dim).unflatten(dim, (n + 1, 2))",
+        "    pairs = torch.nn.functional.pad(grad, (1, 1) if dim == -1 else (0, 0, 1, 1))"
+        ".unflatten(dim, (n + 1, 2))",
+        [
+            "tests/test_ops.py::test_upsample2x_is_pytorchs_bilinear_upsampling_and_its_transpose"
+            "[shape0]",
+            "tests/test_ops.py::"
+            "test_upsample2x_float32_is_within_rounding_of_pytorchs_and_repeats_bit_exactly",
+        ],
+    ),
 ]
 
 
