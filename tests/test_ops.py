@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from conftest import cuda
 from repro.determinism import flags_restored
-from repro.ops import Upsample2x, dense_cross_entropy, upsample2x
+from repro.ops import Upsample2x, dense_cross_entropy, replacement_for, upsample2x
 
 SHAPES = [(2, 3, 5, 7), (1, 1, 1, 1), (1, 2, 1, 6), (2, 4, 16, 16)]
 
@@ -53,9 +53,12 @@ def test_upsample2x_float32_is_within_rounding_of_pytorchs_and_repeats_bit_exact
 
 def test_upsample2x_keeps_edges_exact_and_computes_low_precision_in_float32():
     x = torch.randn(2, 3, 4, 5).bfloat16()
+    exact = upsample2x(x.float())
     y = upsample2x(x)
-    assert y.dtype == torch.float32  # as autocast runs upsampling
-    assert torch.equal(y[..., 0, 0], x[..., 0, 0].float())  # the corner is copied, not mixed
+    assert y.dtype == torch.bfloat16 and torch.equal(y, exact.bfloat16())  # one rounding
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert upsample2x(x).dtype == torch.float32  # as autocast runs upsampling
+    assert torch.equal(exact[..., 0, 0], x[..., 0, 0].float())  # the corner is copied
 
 
 def test_upsample2x_is_a_module_and_refuses_other_ranks():
@@ -63,6 +66,15 @@ def test_upsample2x_is_a_module_and_refuses_other_ranks():
     assert torch.equal(Upsample2x()(x), upsample2x(x))
     with pytest.raises(ValueError, match="N×C×H×W"):
         upsample2x(torch.randn(2, 3, 4))
+
+
+def test_the_replacement_is_offered_only_where_it_fits():
+    bilinear = torch.nn.Upsample(scale_factor=2, mode="bilinear")
+    assert "Upsample2x" in replacement_for(bilinear)
+    assert replacement_for(torch.nn.Upsample(scale_factor=2, mode="nearest")) is None
+    assert replacement_for(torch.nn.Upsample(scale_factor=4, mode="bilinear")) is None
+    assert "mean" in replacement_for(torch.nn.AdaptiveAvgPool2d(1))
+    assert replacement_for(torch.nn.AdaptiveAvgPool2d(7)) is None
 
 
 def cross_entropy_case(device="cpu", classes=5, weight=False):

@@ -137,6 +137,34 @@ def test_the_cross_entropy_formulations_agree():
         torch.testing.assert_close(loss, losses[0], rtol=1e-6, atol=1e-6)
 
 
+def test_class_weights_weigh_each_images_mean_as_pytorchs_do():
+    g = torch.Generator().manual_seed(3)
+    outputs = torch.randn(3, 4, 6, 6, generator=g)
+    targets = torch.randint(0, 4, (3, 6, 6), generator=g).to(torch.uint8)  # as datasets give
+    targets[1, :3] = IGNORE
+    weights = [1, 2, 3, 4]  # integers, as a YAML list may give them
+    task = Segmentation(num_classes=4, dice_weight=0, class_weights=weights)
+    expected = sum(
+        torch.nn.functional.cross_entropy(
+            outputs[i : i + 1],
+            targets[i : i + 1].long(),
+            torch.tensor(weights, dtype=torch.float32),
+            ignore_index=IGNORE,
+        )
+        for i in range(3)
+    )
+    torch.testing.assert_close(task.loss(outputs, targets), expected)
+    for ce in ("torch", "torch_flat"):  # run with integer weights and uint8 targets too
+        Segmentation(num_classes=4, class_weights=weights, cross_entropy=ce).loss(outputs, targets)
+
+
+def test_a_task_given_the_wrong_data_or_model_says_so_in_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"task=segmentation needs per-pixel masks"):
+        train_here(tmp_path / "a", "task=segmentation", "trainer.max_steps=1")
+    with pytest.raises(ConfigError, match=r"task=classification needs class labels"):
+        train_here(tmp_path / "b", "data=synthetic_shapes", "trainer.max_steps=1")
+
+
 def test_bad_task_settings_are_one_line():
     with pytest.raises(ConfigError, match="task.cross_entropy='fast'"):
         Segmentation(num_classes=3, cross_entropy="fast")
@@ -208,10 +236,19 @@ def write_folder(root, n=24, size=32, num_classes=4, seed=9):
     return d
 
 
-def test_image_mask_folder_is_read_lazily_with_its_masks(tmp_path):
+def test_image_mask_folder_is_read_lazily_with_its_masks(tmp_path, monkeypatch):
+    import repro.data
+
     source = write_folder(tmp_path / "data")
+    reads = []
+    read_image = repro.data.read_image
+    monkeypatch.setattr(repro.data, "read_image", lambda p, s: reads.append(p) or read_image(p, s))
     d = image_mask_folder(str(tmp_path / "data"), num_classes=4, image_size=32, val_fraction=0.25)
     assert isinstance(d.train, LazyImageMasks) and isinstance(d, DataSplits)
+    assert len(reads) == len(d.train)  # the normalisation's sample (all 18 < 256), nothing else
+    reads.clear()
+    d.train.fetch(torch.tensor([3]))
+    assert reads == [d.train.images[3]]  # a fetch reads what it is asked for
     assert len(d.train) == 18 and len(d.val) == 6 and d.in_channels == 3
     stems = [int(p.stem) for p in d.train.images]
     images, masks = d.train.fetch(torch.tensor([0, 1]))
@@ -239,6 +276,49 @@ def test_image_mask_folder_errors_name_the_file(tmp_path):
     )
     with pytest.raises(DataError, match="003.png holds class 7, not below data.num_classes=4"):
         split.fetch(torch.tensor([index]))
+
+
+def test_binary_masks_stored_as_0_and_255_need_a_map(tmp_path):
+    from PIL import Image
+
+    write_folder(tmp_path / "d", n=4)
+    binary = np.zeros((32, 32), dtype=np.uint8)
+    binary[8:20, 8:20] = 255
+    for i in range(4):
+        Image.fromarray(binary, mode="L").save(tmp_path / "d" / "masks" / f"{i:03d}.png")
+    d = image_mask_folder(str(tmp_path / "d"), num_classes=2, val_fraction=0.5, image_size=32)
+    with pytest.raises(DataError, match=r"holds only 0 and 255.*data.mask_map='\{255: 1\}'"):
+        d.train.fetch(torch.tensor([0]))
+    mapped = image_mask_folder(
+        str(tmp_path / "d"), num_classes=2, val_fraction=0.5, image_size=32, mask_map={255: 1}
+    )
+    assert torch.equal(mapped.train.fetch(torch.tensor([0]))[1][0], torch.tensor(binary // 255))
+    Image.fromarray(binary > 0).save(tmp_path / "d" / "masks" / "000.png")  # mode "1": 0/1
+    one_bit = image_mask_folder(str(tmp_path / "d"), num_classes=2, val_fraction=0.5)
+    split = one_bit.train if any(p.stem == "000" for p in one_bit.train.masks) else one_bit.val
+    index = next(i for i, p in enumerate(split.masks) if p.stem == "000")
+    assert split.fetch(torch.tensor([index]))[1].max() == 1
+
+
+def test_a_bad_mask_read_in_a_loader_worker_is_one_line(tmp_path):
+    from omegaconf import OmegaConf
+    from PIL import Image
+
+    from repro.data import loading, make_train_loader
+
+    write_folder(tmp_path / "d", n=8)
+    for i in range(8):
+        Image.fromarray(np.full((32, 32), 9, dtype=np.uint8), mode="L").save(
+            tmp_path / "d" / "masks" / f"{i:03d}.png"
+        )
+    d = image_mask_folder(str(tmp_path / "d"), num_classes=4, image_size=32, val_fraction=0.25)
+    workers = OmegaConf.create(
+        {"num_workers": 2, "persistent_workers": False, "prefetch_factor": None}
+    )
+    loader = make_train_loader(d, 0, 4, 2, workers, pin_memory=False)
+    with pytest.raises(DataError) as err, loading(loader) as batches:
+        next(batches)
+    assert str(err.value).startswith("data: mask ") and "\n" not in str(err.value)
 
 
 # ------------------------------------------------------------------- the promises
@@ -300,6 +380,7 @@ def test_image_mask_folder_trains_the_same_with_any_loader(tmp_path):
     single = train_here(tmp_path / "single", *folder)
     multi = run_train(tmp_path / "multi", *folder, "loader=multi")
     assert_same_bits(multi, single)
+    assert_same_bits(train_here(tmp_path / "device", *folder, "loader=device"), single)
     again = train_here(tmp_path / "again", *folder)
     assert again.summary["weights_sha256"] == single.summary["weights_sha256"]
 

@@ -6,9 +6,12 @@ bare indices; :class:`KeyedBatches` derives each sample's augmentation generator
 and whether the batch is cut on the host or on the GPU cannot change it.
 
 A dataset is any function that returns :class:`DataSplits`; a config selects it with
-``_target_`` (see ``conf/data/``). Images are uint8 ``C×H×W`` tensors; they become floats on
-the device (:class:`DeviceNormalizer`), where the conversion is cheap and the transfer 4×
-smaller.
+``_target_`` (see ``conf/data/``). Its splits are in memory (:class:`TensorImages`) or read
+from disk when fetched (:class:`LazyImageMasks`); both answer ``len`` and ``fetch(index)``.
+Images are uint8 ``C×H×W`` tensors; they become floats on the device
+(:class:`DeviceNormalizer`), where the conversion is cheap and the transfer 4× smaller.
+Targets are class indices, or per-pixel class masks ``H×W`` that the augmentation moves
+with their image.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -48,10 +52,17 @@ class TensorImages:
         if self.labels.dim() == 3:
             if self.labels.shape[1:] != self.images.shape[2:]:
                 raise ValueError("masks must have the images' height and width (N×H×W)")
+            if self.labels.dtype.is_floating_point or self.labels.dtype == torch.bool:
+                raise ValueError("masks must hold class indices (an integer dtype)")
             if self.labels.dtype not in (torch.uint8, torch.int64):
                 self.labels = self.labels.to(torch.int64)
-        else:
+        elif self.labels.dim() == 1:
             self.labels = self.labels.to(torch.int64)
+        else:
+            raise ValueError(
+                "targets must be class labels (N) or per-pixel class masks (N×H×W), got "
+                f"shape {tuple(self.labels.shape)}"
+            )
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -59,6 +70,10 @@ class TensorImages:
     @property
     def channels(self) -> int:
         return int(self.images.shape[1])
+
+    @property
+    def device(self) -> torch.device:
+        return self.images.device
 
     def fetch(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The images and targets at ``index`` (int64; on the split's device)."""
@@ -68,12 +83,26 @@ class TensorImages:
         return TensorImages(self.images.to(device), self.labels.to(device))
 
 
+class Split(Protocol):
+    """What a split is to the loader, the evaluation and the trace: :class:`TensorImages`
+    (in memory) and :class:`LazyImageMasks` (read when fetched) are two; a split of your own
+    needs these three members (``to`` for ``loader=device``, ``device`` if it lives on one)."""
+
+    channels: int
+
+    def __len__(self) -> int: ...
+
+    def fetch(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """uint8 images N×C×H×W and the targets (labels N or masks N×H×W) at ``index``."""
+        ...
+
+
 @dataclass
 class DataSplits:
     """What a dataset factory returns: a training and a validation split plus metadata."""
 
-    train: TensorImages | LazyImageMasks
-    val: TensorImages | LazyImageMasks
+    train: Split
+    val: Split
     num_classes: int
     augment: bool = True
     mean: tuple[float, ...] | None = None  # per channel, in [0, 1]; computed from train if None
@@ -94,12 +123,15 @@ class DataSplits:
 STATISTICS_SAMPLE = 256
 
 
-def statistics_sample(split: TensorImages | LazyImageMasks) -> torch.Tensor:
+def statistics_sample(split: Split) -> torch.Tensor:
     """The images the channel mean and std are computed from: all of an in-memory split; the
-    first :data:`STATISTICS_SAMPLE` (in file order) of one read from disk."""
+    first :data:`STATISTICS_SAMPLE` (in file order) of one read from disk (images only)."""
     if isinstance(split, TensorImages):
         return split.images
-    return split.fetch(torch.arange(min(len(split), STATISTICS_SAMPLE)))[0]
+    index = torch.arange(min(len(split), STATISTICS_SAMPLE))
+    if isinstance(split, LazyImageMasks):
+        return split.fetch_images(index)
+    return split.fetch(index)[0]
 
 
 # --------------------------------------------------------------------------- datasets
@@ -228,13 +260,16 @@ def read_image(path: Path, size: int) -> torch.Tensor:
     return torch.frombuffer(data, dtype=torch.uint8).view(size, size, 3).permute(2, 0, 1)
 
 
-def read_mask(path: Path, size: int, num_classes: int) -> torch.Tensor:
+def read_mask(
+    path: Path, size: int, num_classes: int, mask_map: dict[int, int] | None = None
+) -> torch.Tensor:
     """A mask PNG of class indices as uint8 size×size (resized nearest: no invented
-    classes). Values are classes ``0 .. num_classes - 1`` or :data:`IGNORE` (not scored)."""
+    classes), its values mapped by ``mask_map`` first. Values are classes ``0 ..
+    num_classes - 1`` or :data:`IGNORE` (not scored)."""
     Image = _pillow()
     try:
         with Image.open(path) as im:
-            if im.mode not in ("L", "P", "I", "I;16"):
+            if im.mode not in ("1", "L", "P", "I", "I;16"):
                 raise DataError(
                     f"data: mask {path} is a {im.mode} image; masks must be single-channel "
                     "PNGs of class indices (mode L or P)."
@@ -243,12 +278,23 @@ def read_mask(path: Path, size: int, num_classes: int) -> torch.Tensor:
             mask = torch.from_numpy(np.array(im, dtype=np.int64))
     except OSError as err:
         raise DataError(f"data: cannot read mask {path}: {err}; remove or fix the file.") from err
+    if mask_map:
+        mapped = mask.clone()
+        for value, cls in mask_map.items():
+            mapped[mask == int(value)] = int(cls)
+        mask = mapped
+    elif bool((mask == IGNORE).any()) and bool(((mask == 0) | (mask == IGNORE)).all()):
+        raise DataError(
+            f"data: mask {path} holds only 0 and {IGNORE}, and {IGNORE} means 'not scored': "
+            f"if {IGNORE} is your foreground, map it, data.mask_map='{{{IGNORE}: 1}}' (or "
+            f"'{{{IGNORE}: {IGNORE}}}' to keep it ignored)."
+        )
     bad = (mask >= num_classes) & (mask != IGNORE)
     if bool(bad.any()):
         raise DataError(
             f"data: mask {path} holds class {int(mask[bad].max())}, not below "
-            f"data.num_classes={num_classes}; fix the mask or raise data.num_classes "
-            f"({IGNORE} marks pixels to ignore)."
+            f"data.num_classes={num_classes}; fix the mask, map its values (data.mask_map) "
+            f"or raise data.num_classes ({IGNORE} marks pixels to ignore)."
         )
     return mask.to(torch.uint8)
 
@@ -264,22 +310,31 @@ class LazyImageMasks:
     :class:`TensorImages` (``len``, ``fetch``, ``channels``)."""
 
     channels = 3
+    device = torch.device("cpu")
 
     def __init__(
-        self, images: list[Path], masks: list[Path], image_size: int, num_classes: int
+        self,
+        images: list[Path],
+        masks: list[Path],
+        image_size: int,
+        num_classes: int,
+        mask_map: dict[int, int] | None = None,
     ) -> None:
         self.images, self.masks = images, masks
-        self.image_size, self.num_classes = image_size, num_classes
+        self.image_size, self.num_classes, self.mask_map = image_size, num_classes, mask_map
 
     def __len__(self) -> int:
         return len(self.images)
 
     def fetch(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = index.tolist()
-        size = self.image_size
-        images = torch.stack([read_image(self.images[i], size) for i in rows])
-        masks = torch.stack([read_mask(self.masks[i], size, self.num_classes) for i in rows])
-        return images, masks
+        masks = [
+            read_mask(self.masks[i], self.image_size, self.num_classes, self.mask_map)
+            for i in index.tolist()
+        ]
+        return self.fetch_images(index), torch.stack(masks)
+
+    def fetch_images(self, index: torch.Tensor) -> torch.Tensor:
+        return torch.stack([read_image(self.images[i], self.image_size) for i in index.tolist()])
 
     def to(self, device: torch.device) -> TensorImages:
         """The whole split in memory on ``device`` (``loader=device``)."""
@@ -294,9 +349,11 @@ def image_mask_folder(
     val_fraction: float = 0.1,
     seed: int = 1234,
     augment: bool = True,
+    mask_map: dict[int, int] | None = None,
 ) -> DataSplits:
     """Your own segmentation data: ``path/images/<stem>.<ext>`` and ``path/masks/<stem>.png``
-    with matching stems; masks hold class indices ``0 .. num_classes - 1`` (255: ignore).
+    with matching stems; masks hold class indices ``0 .. num_classes - 1`` (255: ignore),
+    after ``mask_map`` (``{255: 1}`` for binary masks stored as 0/255).
 
     Files are listed here, in sorted order, and read lazily (:class:`LazyImageMasks`), at
     ``image_size``×``image_size``. The validation split is a permutation keyed by ``seed``,
@@ -340,7 +397,11 @@ def image_mask_folder(
     def split(idx: torch.Tensor) -> LazyImageMasks:
         chosen = [stems[i] for i in idx.tolist()]
         return LazyImageMasks(
-            [images[s] for s in chosen], [masks[s] for s in chosen], image_size, num_classes
+            [images[s] for s in chosen],
+            [masks[s] for s in chosen],
+            image_size,
+            num_classes,
+            {int(k): int(v) for k, v in mask_map.items()} if mask_map else None,
         )
 
     return DataSplits(split(train_idx), split(val_idx), num_classes, augment)
@@ -514,14 +575,14 @@ class KeyedBatches(Dataset):
     Works where the split is: on the CPU for the DataLoader, on the GPU for
     ``loader.on_device``."""
 
-    def __init__(self, split: TensorImages | LazyImageMasks, seed: int, augment: bool) -> None:
+    def __init__(self, split: Split, seed: int, augment: bool) -> None:
         self.split, self.seed, self.augment = split, seed, augment
 
     def __len__(self) -> int:
         return len(self.split)
 
     def __getitem__(self, keys: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        device = self.split.images.device if isinstance(self.split, TensorImages) else "cpu"
+        device = getattr(self.split, "device", torch.device("cpu"))
         index = torch.tensor([i for _, i in keys], dtype=torch.int64).to(device, non_blocking=True)
         images, targets = self.split.fetch(index)
         if self.augment:
@@ -529,6 +590,11 @@ class KeyedBatches(Dataset):
             images = crop_flip_batch(images, params)
             if targets.dim() == 3:  # per-pixel masks move with their images
                 targets = crop_flip_batch(targets[:, None], params, fill=IGNORE)[:, 0]
+            elif targets.dim() != 1:
+                raise DataError(
+                    f"data: the crop and flip move class labels (N) and masks (N×H×W), not "
+                    f"targets of shape {tuple(targets.shape)}; set data.augment=false."
+                )
         return images, targets
 
 

@@ -48,7 +48,7 @@ from repro.build import Precision, Training, build_data, build_model, build_task
 from repro.data import DataSplits, DeviceNormalizer, make_train_loader
 from repro.determinism import flags_restored
 from repro.errors import DeterminismError
-from repro.ops import LOSS_KEY, REPLACEMENTS
+from repro.ops import LOSS_KEY, REPLACEMENTS, replacement_for
 from repro.rng import seed_forward, seed_global_rngs
 from repro.trace import tensor_bytes
 
@@ -486,18 +486,15 @@ def explain_nondeterministic_op(
         place, fix = "", "replace the op"
     elif where.module == LOSS:
         place = f" in the task's loss ({type(task).__name__}.loss)"
-        fix = "replace it" + _replacement(LOSS_KEY, outputs.dim() == 4, " with ")
+        fix = "replace it" + (f" with {REPLACEMENTS[LOSS_KEY]}" if outputs.dim() == 4 else "")
     else:
         place = f" in module {where.module or '(model)'} ({where.kind})"
-        fix = "replace the module" + _replacement(where.kind, True, " with ")
+        found = replacement_for(probe.calls[where.module].module)
+        fix = "replace the module" + (f" with {found}" if found else "")
     raise DeterminismError(
         f"strict mode: {op} has no deterministic kernel on {device}{place}; {fix}, or train "
         "with determinism=warn to list every such op (without the bit guarantee)."
     ) from None
-
-
-def _replacement(key: str, applies: bool, prefix: str) -> str:
-    return f"{prefix}{REPLACEMENTS[key]}" if applies and key in REPLACEMENTS else ""
 
 
 # ----------------------------------------------------------------------- --cost
@@ -529,6 +526,11 @@ class CostReport:
     model_strict_ms: float | None
     model_raises: str | None
     costs: list[Cost]
+
+    @property
+    def raises(self) -> bool:
+        """Strict mode refuses an op of the step (exit status 1)."""
+        return self.model_strict_ms is None or any(c.strict_ms is None for c in self.costs)
 
     @property
     def expensive(self) -> list[Cost]:
@@ -567,7 +569,12 @@ class CostReport:
         if len(self.costs) > rows:
             lines.append(f"  ... {len(self.costs) - rows} more (less strict-mode excess)")
         lines.append("")
-        if not self.expensive:
+        if self.model_strict_ms is None and not any(c.strict_ms is None for c in self.costs):
+            lines.append(
+                f"strict mode raises in the whole model ({self.model_raises}) but in no module "
+                "alone: the op is in a forward outside the modules; repro doctor finds it."
+            )
+        elif not self.expensive:
             lines.append(
                 "verdict: determinism is cheap here: no module is expensive in strict mode."
             )
@@ -680,7 +687,7 @@ def run_cost(cfg: DictConfig, repeats: int = 10, log: Callable[[str], None] = pr
         for call in leaves:
             fast, strict, raises = _both_modes(_module_pass(call, autocast), device, repeats)
             costs.append(
-                Cost(call.name, call.kind, fast, strict, raises, REPLACEMENTS.get(call.kind))
+                Cost(call.name, call.kind, fast, strict, raises, replacement_for(call.module))
             )
 
         def loss_pass() -> None:

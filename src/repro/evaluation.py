@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from repro.build import Training
-from repro.data import DeviceNormalizer, LazyImageMasks, TensorImages
+from repro.data import DeviceNormalizer, Split
 from repro.errors import ConfigError
 from repro.rng import global_rng_states, set_global_rng_states
 from repro.tasks import Task
@@ -15,7 +15,7 @@ from repro.tasks import Task
 @torch.no_grad()
 def evaluate(
     training: Training,
-    split: TensorImages | LazyImageMasks,
+    split: Split,
     normalize: DeviceNormalizer,
     batch_size: int,
     limit: int | None = None,
@@ -38,9 +38,7 @@ def evaluate(
     return metrics
 
 
-def check_task(
-    training: Training, split: TensorImages | LazyImageMasks, normalize: DeviceNormalizer
-) -> list[str]:
+def check_task(training: Training, split: Split, normalize: DeviceNormalizer) -> list[str]:
     """The task's metrics on a few validation samples before the first step, so that a wrong
     headline or metric name fails now, not at the first evaluation; returns their names. The
     global RNGs are put back afterwards (a model may draw from them even in evaluation), so
@@ -51,7 +49,8 @@ def check_task(
     except RuntimeError as err:  # strict mode and an op with no deterministic kernel?
         from repro.doctor import explain_nondeterministic_op
 
-        explain_nondeterministic_op(err, training, *normalize(*split.fetch(torch.arange(2))))
+        sample = split.fetch(torch.arange(min(2, len(split))))
+        explain_nondeterministic_op(err, training, *normalize(*sample))
         raise
     finally:
         set_global_rng_states(states)

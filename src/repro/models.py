@@ -115,9 +115,9 @@ class UNet(nn.Module):
     a bottleneck, and back up: bilinear 2× upsampling, concatenation with the skip, two
     convolutions; a 1×1 convolution gives the per-pixel logits. Channels: ``width × 2^level``.
 
-    ``upsample="repro"`` upsamples with :class:`repro.ops.Upsample2x` (PyTorch's forward, a
-    deterministic gather-form backward: strict mode at fast mode's speed); ``"torch"`` with
-    ``nn.Upsample``, whose deterministic CUDA backward is a sort (``repro doctor --cost``
+    ``upsample="repro"`` upsamples with :class:`repro.ops.Upsample2x` (gather form forward
+    and backward: strict mode at fast mode's speed); ``"torch"`` with ``nn.Upsample``,
+    whose deterministic CUDA backward is a sort (``repro doctor --cost``
     shows the difference). GroupNorm: per-sample statistics, so micro-batching cannot change
     them. Image sides must be multiples of ``2^depth``."""
 

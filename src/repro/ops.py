@@ -31,15 +31,31 @@ import torch.nn.functional as F
 from torch import nn
 
 # What `repro doctor` suggests for a module type (or the loss) that raises in strict mode or
-# is slow there. Keys: the module's class name; LOSS_KEY: the task's loss.
+# is slow there (:func:`replacement_for`). Keys: the module's class name; LOSS_KEY: the loss.
 LOSS_KEY = "loss"
 REPLACEMENTS = {
     "Upsample": "repro.ops.Upsample2x (bilinear, scale 2, gather form both ways)",
-    "UpsamplingBilinear2d": "repro.ops.Upsample2x (note: align_corners=False)",
     "AdaptiveAvgPool2d": "x.mean(dim=(2, 3), keepdim=True) (for output size 1)",
     "AdaptiveMaxPool2d": "x.amax(dim=(2, 3), keepdim=True) (for output size 1)",
     LOSS_KEY: "repro.ops.dense_cross_entropy (task=segmentation uses it: task.cross_entropy=repro)",
 }
+
+
+def replacement_for(module: nn.Module) -> str | None:
+    """The replacement :data:`REPLACEMENTS` has for ``module``, if it fits its settings."""
+    kind = type(module).__name__
+    if kind in ("Upsample", "UpsamplingBilinear2d"):
+        fits = (
+            getattr(module, "mode", None) == "bilinear"
+            and getattr(module, "size", None) is None
+            and module.scale_factor in (2, 2.0, (2, 2), (2.0, 2.0))
+            and not getattr(module, "align_corners", False)
+        )
+        return REPLACEMENTS["Upsample"] if fits else None
+    if kind in ("AdaptiveAvgPool2d", "AdaptiveMaxPool2d"):
+        size = getattr(module, "output_size", None)
+        return REPLACEMENTS[kind] if size in (1, (1, 1)) else None
+    return REPLACEMENTS.get(kind)
 
 
 def _pad_one(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -83,7 +99,8 @@ class _Upsample2xBilinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.input_dtype = x.dtype
         y = x.to(torch.promote_types(x.dtype, torch.float32))
-        return _upsample_axis(_upsample_axis(y, -1), -2)
+        y = _upsample_axis(_upsample_axis(y, -1), -2)
+        return y if torch.is_autocast_enabled(x.device.type) else y.to(x.dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -94,11 +111,13 @@ class _Upsample2xBilinear(torch.autograd.Function):
 
 def upsample2x(x: torch.Tensor) -> torch.Tensor:
     """``F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False)`` for an
-    N×C×H×W tensor, with a deterministic gather-form backward (module docstring).
+    N×C×H×W tensor, forward and backward in gather form (module docstring): deterministic in
+    strict and fast mode alike, with no atomics and no sort.
 
-    The forward *is* that call, so its output is bit-equal to it (under autocast too: it is
-    computed in float32, as autocast does for upsampling). The backward computes in float32
-    (float64 for float64) and differs from PyTorch's in the last bits (its atomic adds run in no fixed order)."""
+    Computed in float32 (float64 for float64); the result has ``x``'s dtype, or float32
+    under autocast, as autocast runs upsampling. Not bit-equal to ``F.interpolate``: the same
+    weights, rounded in another order (within 2 ulp of it; on CUDA, ``F.interpolate`` itself
+    gives other bits under strict mode than under fast mode: ``docs/segmentation.md``)."""
     if x.dim() != 4:
         raise ValueError(f"upsample2x takes an N×C×H×W tensor, got {x.dim()} dimensions")
     return _Upsample2xBilinear.apply(x)

@@ -18,8 +18,8 @@ one it runs. It owns four things:
     --tolerance`` lead with (``higher_is_better`` says which way is better).
 
 ``outputs`` is what the model returns for a batch; ``targets`` is what the dataset gives
-beside the inputs (class labels, ``N``; per-pixel class masks, ``N×H×W``, which the keyed
-crop and flip move with their images; or any tensor a dataset of yours returns). Metrics are
+beside the inputs: class labels ``N``, or per-pixel class masks ``N×H×W``, which the keyed
+crop and flip move with their images. Metrics are
 named ``val_*``; the headline is one of them. A new task is a subclass named by
 ``task._target_=mypkg.MyTask``; it receives ``num_classes`` from the dataset when its
 constructor takes it. See ``docs/extending.md``.
@@ -60,6 +60,7 @@ class Classification(Task):
     higher_is_better = True
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        _check_shapes("classification", outputs, targets, 2, 1)
         return F.cross_entropy(outputs.float(), targets, reduction="sum")
 
     def statistics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -75,6 +76,27 @@ class Classification(Task):
             "val_loss": totals["loss_sum"].item() / count,
             "val_accuracy": int(totals["correct"]) / count,
         }
+
+
+def _check_shapes(
+    name: str, outputs: torch.Tensor, targets: torch.Tensor, out_dim: int, target_dim: int
+) -> None:
+    """A model or dataset that does not fit the task is one line, at the pre-check."""
+    fits = outputs.dim() == out_dim and targets.dim() == target_dim
+    if fits and target_dim == 3:
+        fits = outputs.shape[2:] == targets.shape[1:]
+    if not fits:
+        wanted = (
+            "class labels (N) and N×classes logits"
+            if target_dim == 1
+            else "per-pixel masks (N×H×W) and N×classes×H×W logits"
+        )
+        other = "task=segmentation" if target_dim == 1 else "task=classification"
+        raise ConfigError(
+            f"task={name} needs {wanted}; the model gave {tuple(outputs.shape)} for targets "
+            f"{tuple(targets.shape)}: pair the task with its data and model (or use {other}; "
+            "experiment=segmentation sets all three)."
+        )
 
 
 CROSS_ENTROPY = {
@@ -137,7 +159,9 @@ class Segmentation(Task):
             )
         self.num_classes, self.ignore_index = num_classes, ignore_index
         self.ce_weight, self.dice_weight = cross_entropy_weight, dice_weight
-        self.class_weights = None if class_weights is None else torch.tensor(class_weights)
+        self.class_weights = (
+            None if class_weights is None else torch.tensor(class_weights, dtype=torch.float32)
+        )
         self.include_background, self.cross_entropy = include_background, cross_entropy
 
     def scored(self, targets: torch.Tensor) -> torch.Tensor:
@@ -145,7 +169,8 @@ class Segmentation(Task):
         return (targets >= 0) & (targets < self.num_classes) & (targets != self.ignore_index)
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = outputs.float()
+        _check_shapes("segmentation", outputs, targets, 4, 3)
+        logits, targets = outputs.float(), targets.long()
         scored = self.scored(targets)
         total = self.ce_weight * self.cross_entropy_sum(logits, targets, scored)
         if self.dice_weight:
@@ -188,8 +213,9 @@ class Segmentation(Task):
 
     def statistics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         c = self.num_classes
+        targets = targets.long()
         scored = self.scored(targets)
-        cell = torch.where(scored, targets.long() * c + outputs.argmax(dim=1), c * c)
+        cell = torch.where(scored, targets * c + outputs.argmax(dim=1), c * c)
         confusion = torch.bincount(cell.flatten(), minlength=c * c + 1)[: c * c]
         return {
             "loss_sum": self.loss(outputs, targets).double(),
