@@ -16,7 +16,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from repro.config import check_overrides
-from repro.errors import Preempted, ReproError, exit_with, report_error
+from repro.errors import INTERRUPTED_EXIT_CODE, Preempted, ReproError, exit_with, report_error
 from repro.files import ERROR_FILE
 from repro.process_env import under_torchrun
 
@@ -37,6 +37,13 @@ def main(cfg: DictConfig) -> float:
     except Preempted:
         shutdown()  # every rank stopped after the same step, past a barrier
         raise
+    except KeyboardInterrupt:  # a second Ctrl-C (or one before training started): at once
+        print(
+            "interrupted: stopped at once. To continue from the last checkpoint (if one was "
+            f"written): the same command plus trainer.resume=auto hydra.run.dir={run_dir}",
+            file=sys.stderr,
+        )
+        raise SystemExit(INTERRUPTED_EXIT_CODE) from None
     except Exception as err:
         if launched_world().distributed:
             # Stop this rank now: waiting in NCCL's teardown for ranks that are gone can hang.
@@ -83,7 +90,7 @@ if __name__ == "__main__":
         try:
             main()
             status = 0
-        except SystemExit as stop:  # Preempted (75), exit_with (1)
+        except SystemExit as stop:  # Preempted (75, 130), exit_with (1)
             status = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
         logging.shutdown()
         sys.stdout.flush()

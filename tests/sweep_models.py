@@ -30,3 +30,26 @@ class FailsOnRank(ConvNet):
         if self.fail and self.calls > 6:
             raise RuntimeError("this rank's forward fails (a test of errors under torchrun)")
         return super().forward(x)
+
+
+class CtrlCInEvaluation(ConvNet):
+    """The default ConvNet, except that at its ``at_eval``-th evaluation forward it sends
+    SIGINT to its whole process group ``presses`` times (a Ctrl-C in the terminal reaches the
+    loader workers too), as a user pressing Ctrl-C during evaluation."""
+
+    def __init__(self, num_classes, in_channels=3, width=32, dropout=0.1, at_eval=2, presses=1):
+        super().__init__(num_classes, in_channels, width, dropout)
+        self.at_eval, self.presses, self.eval_calls = at_eval, presses, 0
+
+    def forward(self, x):
+        if not self.training:
+            self.eval_calls += 1
+            if self.eval_calls == self.at_eval:
+                import os
+                import signal
+                import time
+
+                for _ in range(self.presses):
+                    os.killpg(os.getpgid(0), signal.SIGINT)
+                    time.sleep(0.2)  # the handler runs between bytecodes
+        return super().forward(x)

@@ -18,10 +18,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, Run, run_train, train_cmd, train_here, user_env
+from conftest import ROOT, Run, run_train, train_cmd, train_here, user_env, with_tests_on_path
 from repro.checkpoint import checkpoint_path, save_checkpoint, sidecar
 from repro.compare import compare_dirs
-from repro.errors import PREEMPTED_EXIT_CODE, CheckpointError, ConfigError, Preempted
+from repro.errors import (
+    INTERRUPTED_EXIT_CODE,
+    PREEMPTED_EXIT_CODE,
+    CheckpointError,
+    ConfigError,
+    Preempted,
+)
 
 STEPS = 40
 # strict (the default), 2 loader workers, dropout on (the ConvNet's default 0.1, at width 16)
@@ -53,8 +59,11 @@ def steps_done(run_dir: Path) -> int:
     return max(0, len(path.read_text().splitlines()) - 1) if path.exists() else 0
 
 
-def interrupt(run_dir: Path, overrides: list[str], after: int, sig=signal.SIGKILL):
-    """Start train.py and send `sig` from outside once `after` steps are on disk.
+def interrupt(
+    run_dir: Path, overrides: list[str], after: int, sig=signal.SIGKILL, group: bool = False
+):
+    """Start train.py and send `sig` from outside once `after` steps are on disk (with
+    `group`, to its whole process group, loader workers included, as a terminal does).
     Returns (exit status, steps on disk when the signal was sent)."""
     proc = subprocess.Popen(
         train_cmd(f"hydra.run.dir={run_dir}", *overrides),
@@ -63,6 +72,7 @@ def interrupt(run_dir: Path, overrides: list[str], after: int, sig=signal.SIGKIL
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=group,
     )
     deadline = time.monotonic() + 300
     while steps_done(run_dir) < after:
@@ -71,7 +81,10 @@ def interrupt(run_dir: Path, overrides: list[str], after: int, sig=signal.SIGKIL
             raise AssertionError(f"run ended before step {after}:\n{proc.communicate()[0]}")
         time.sleep(0.002)
     at = steps_done(run_dir)
-    proc.send_signal(sig)
+    if group:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
     out, _ = proc.communicate(timeout=300)
     return proc.returncode, at, out
 
@@ -131,6 +144,76 @@ def test_preemption_signal_checkpoints_at_the_step_boundary_and_exits_75(sig, st
     resumed = resume(run_dir, overrides)
     assert resumed.summary["resumes"][0]["step"] == stopped
     assert_same_as(resumed, straight("mid-epoch"))
+
+
+@pytest.mark.e2e
+def test_ctrl_c_checkpoints_at_the_step_boundary_and_exits_130(straight, tmp_path):
+    """SIGINT to the whole process group (what a terminal's Ctrl-C does; the loader workers
+    get it too) during training."""
+    overrides = SCENARIOS["mid-epoch"]
+    run_dir = tmp_path / "run"
+    status, at, out = interrupt(run_dir, overrides, after=25, sig=signal.SIGINT, group=True)
+    assert status == INTERRUPTED_EXIT_CODE == 130, out
+    stopped = steps_done(run_dir)
+    assert checkpoint_path(run_dir, stopped).is_file() and stopped >= at
+    assert f"SIGINT received: stopped after step {stopped}/{STEPS}" in out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out
+    resumed = resume(run_dir, overrides)
+    assert resumed.summary["resumes"][0]["step"] == stopped
+    assert_same_as(resumed, straight("mid-epoch"))
+
+
+CTRL_C = [
+    "trainer.max_steps=12",
+    "trainer.eval_every=4",
+    "trainer.checkpoint_every=4",
+    "trainer.log_every=1",
+    "data.train_size=512",
+    "data.val_size=64",
+    "trainer.eval_batch_size=16",  # 4 evaluation forwards per evaluation
+    "loader=multi",
+    "~model",
+    "+model._target_=sweep_models.CtrlCInEvaluation",
+    "+model.width=8",
+    "+model.at_eval=6",  # the second evaluation (after step 8), mid-way
+]
+
+
+def ctrl_c_run(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        train_cmd(f"hydra.run.dir={run_dir}", *CTRL_C, *extra),
+        cwd=run_dir.parent,
+        env=with_tests_on_path(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+
+
+@pytest.mark.e2e
+def test_ctrl_c_during_evaluation_finishes_it_checkpoints_and_exits_130(tmp_path):
+    proc = ctrl_c_run(tmp_path / "run")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 130, out
+    assert "SIGINT received: stopped after step 8/12" in out and "Traceback" not in out
+    assert checkpoint_path(tmp_path / "run", 8).is_file()
+    assert len((tmp_path / "run" / "eval.csv").read_text().splitlines()) == 3  # header, 4, 8
+
+
+@pytest.mark.e2e
+def test_a_second_ctrl_c_stops_at_once_and_the_last_checkpoint_still_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = ctrl_c_run(run_dir, "+model.presses=2")
+    assert proc.returncode == 130, proc.stdout + proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("interrupted: stopped at once.") and "trainer.resume=auto" in last
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not checkpoint_path(run_dir, 8).exists()  # stopped in step 8's evaluation
+    # at_eval=0: no Ctrl-C in this process (it is pytest's); the differing key is recorded
+    again = [*CTRL_C, "+model.presses=2", "model.at_eval=0", "trainer.resume_force=true"]
+    resumed = train_here(run_dir, *again, "trainer.resume=auto")
+    assert resumed.summary["resumes"][0]["step"] == 4 and resumed.summary["steps"] == 12
 
 
 @pytest.mark.e2e

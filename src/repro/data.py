@@ -669,9 +669,10 @@ class DeviceBatches:
 
 def _init_worker(worker_id: int) -> None:
     """Seed the worker's global RNGs (``repro.rng.worker_init_fn``) and leave pre-emption
-    signals to the main process: a cluster sends SIGTERM to every process of the job, and the
-    main process must be able to finish its step and write a checkpoint before the workers go."""
-    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+    signals and Ctrl-C to the main process: a cluster sends SIGTERM to every process of the
+    job, a terminal sends SIGINT to its whole process group, and the main process must be able
+    to finish its step and write a checkpoint before the workers go."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     worker_init_fn(worker_id)
 

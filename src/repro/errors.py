@@ -85,9 +85,16 @@ class CheckpointError(ReproError):
 PREEMPTED_EXIT_CODE = 75
 
 
+# Exit status of a run stopped by Ctrl-C (SIGINT) after writing its checkpoint: the shell's
+# 128 + SIGINT.
+INTERRUPTED_EXIT_CODE = 130
+
+
 class Preempted(SystemExit):
-    """Raised at a step boundary after a pre-emption signal and the checkpoint it asked for."""
+    """Raised at a step boundary after a pre-emption signal (or Ctrl-C) and the checkpoint it
+    asked for: exit status 75, or 130 for Ctrl-C."""
 
     def __init__(self, step: int, signal_name: str) -> None:
-        super().__init__(PREEMPTED_EXIT_CODE)
+        code = INTERRUPTED_EXIT_CODE if signal_name == "SIGINT" else PREEMPTED_EXIT_CODE
+        super().__init__(code)
         self.step, self.signal_name = step, signal_name

@@ -1,7 +1,9 @@
 """Pre-emption: a cluster's notice (SIGTERM, SIGUSR1; SIGUSR2 when a launcher listens for
 it) stops the run at the next step boundary, after a checkpoint, with exit status
 ``PREEMPTED_EXIT_CODE`` (75); ``trainer.resume=auto`` then continues with the uninterrupted
-run's bits. Under torchrun every rank stops after the same step."""
+run's bits. Ctrl-C (SIGINT) does the same with exit status 130; a second Ctrl-C stops at
+once (``KeyboardInterrupt``), the last checkpoint intact. Under torchrun every rank stops
+after the same step."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from repro.dist import StopVote, World, barrier
-from repro.errors import PREEMPTED_EXIT_CODE, Preempted
+from repro.errors import Preempted
 
 log = logging.getLogger("repro")
 
@@ -31,7 +33,7 @@ class PreemptionSignals:
 
     def __enter__(self) -> PreemptionSignals:
         if threading.current_thread() is threading.main_thread():
-            signals = [signal.SIGTERM, signal.SIGUSR1]
+            signals = [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT]
             if callable(signal.getsignal(signal.SIGUSR2)):
                 signals.append(signal.SIGUSR2)
             for sig in signals:
@@ -39,13 +41,19 @@ class PreemptionSignals:
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT:
+            if self.received == signal.SIGINT:  # the second Ctrl-C: stop now
+                raise KeyboardInterrupt
+            log.warning(
+                "Ctrl-C: stopping after this step, with a checkpoint (Ctrl-C again: at once)"
+            )
         if self.received is None:  # the first notice decides (and is the one handed over)
             self.received = signal.Signals(signum)
 
     def hand_over(self) -> None:
         """Call the handler that was there before us for the received signal, if any."""
         previous = self._previous.get(self.received) if self.received else None
-        if callable(previous):
+        if callable(previous) and self.received != signal.SIGINT:  # Python's: KeyboardInterrupt
             self.__exit__()
             previous(int(self.received), None)
 
@@ -82,10 +90,11 @@ class Preemption(PreemptionSignals):
         barrier, the message, the signal handed over, :class:`Preempted` raised."""
         barrier(self.world)  # no rank leaves (and has torchrun stop the others) early
         name = self.received.name if self.received else "a signal to a peer"
+        stopping = Preempted(done, name)
         (log.warning if self.world.main else log.info)(
             f"{name} received: stopped after step {done}/{self.max_steps}, checkpoint "
-            f"{checkpoint}; exit status {PREEMPTED_EXIT_CODE}. Resume with the same command "
+            f"{checkpoint}; exit status {stopping.code}. Resume with the same command "
             f"plus trainer.resume=auto hydra.run.dir={run_dir}"
         )
         self.hand_over()  # e.g. submitit: requeue this job (and exit)
-        raise Preempted(done, name)
+        raise stopping
