@@ -223,7 +223,12 @@ def test_missing_or_damaged_runs_are_one_clear_line(runs, tmp_path):
     (damaged / "trace.jsonl").write_text("".join(lines))
     bad = repro("compare", str(runs["a"].dir), str(damaged))
     assert bad.returncode == 2 and "trace.jsonl:6: not a trace record" in bad.stderr
-    for out in (missing, empty, bad):
+    undecodable = shutil.copytree(runs["a"].dir, tmp_path / "undecodable")
+    with open(undecodable / "trace.jsonl", "ab") as f:
+        f.write(b'{"step": \xff\xfe\x80\n{"ste')  # not UTF-8, then a line cut short
+    garbled = repro("compare", str(runs["a"].dir), str(undecodable))
+    assert garbled.returncode == 2 and "trace.jsonl:42: not a trace record" in garbled.stderr
+    for out in (missing, empty, bad, garbled):
         assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
 
 

@@ -89,6 +89,13 @@ def test_type_errors_fail_at_composition(override):
         (["trainer.max_steps=0"], "trainer.max_steps"),
         (["seed=-1"], "seed"),
         (["optim.lr=0"], "optim.lr"),
+        (["optim.lr=inf"], "optim.lr=inf is invalid; allowed: a finite number"),
+        (["optim.weight_decay=-inf"], "optim.weight_decay=-inf is invalid"),
+        (["data.noise=nan"], "data.noise=nan is invalid; allowed: a finite number"),
+        (
+            ["experiment=segmentation", "task.class_weights=[1.0,inf,1.0,1.0]"],
+            "task.class_weights.1=inf is invalid",
+        ),
         (["device=tpu"], "device"),
         (["data=image_folder"], "data.path"),
         (["model._target_=no.such.Model"], "model._target_"),

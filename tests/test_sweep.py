@@ -3,6 +3,7 @@ the parallel launcher preset (same bits as sequential), `repro rerun` (same bits
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -130,11 +131,21 @@ def test_report_without_matplotlib_still_writes_the_text(sequential, tmp_path, m
 
 
 @pytest.mark.e2e
-def test_report_errors_are_one_line(tmp_path):
+def test_report_errors_are_one_line(sequential, tmp_path):
     out = repro("report", str(tmp_path / "nope"))
     assert out.returncode == 2 and out.stderr.strip().endswith("no such sweep directory.")
     out = repro("report", str(tmp_path))
     assert out.returncode == 2 and "no job directories" in out.stderr
+    for name, content, expected in (
+        (".hydra/overrides.yaml", b"- seed=0\n- [unclosed\n", "overrides.yaml: not valid YAML"),
+        ("summary.json", b'{"val_accuracy": 0.5, \xff', "summary.json: not JSON"),
+    ):
+        copy = tmp_path / name.replace("/", "_")
+        shutil.copytree(sequential, copy)
+        (next(copy.glob("1_*")) / name).write_bytes(content)
+        out = repro("report", str(copy))
+        assert out.returncode == 2 and expected in out.stderr, out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
 
 
 def test_t_quantiles_match_the_tables():

@@ -1,5 +1,6 @@
 """End to end, as a user runs it: the same bits twice, whatever the loader; seeds matter."""
 
+import json
 import multiprocessing
 import os
 import re
@@ -221,3 +222,17 @@ def test_a_new_run_does_not_keep_an_earlier_attempts_eval_rows(tmp_path):
     rows = (run_dir / "eval.csv").read_text().splitlines()
     assert [r.split(",")[0] for r in rows] == ["step", "2", "4"]
     assert rows[-1].endswith(repr(run.summary["val_accuracy"]))
+
+
+def test_json_files_stay_valid_json_when_a_value_is_not_finite(tmp_path):
+    """A diverged loss or the Dice of a class that never occurs is null in summary.json,
+    env.json and report.json, not a bare NaN (which strict JSON parsers refuse)."""
+    from repro.rundir import write_json
+
+    write_json(tmp_path / "s.json", {"loss": float("nan"), "dice": [float("inf"), 0.5], "n": 3})
+
+    def refuse(constant):
+        raise AssertionError(f"{constant} in JSON")
+
+    loaded = json.loads((tmp_path / "s.json").read_text(), parse_constant=refuse)
+    assert loaded == {"loss": None, "dice": [None, 0.5], "n": 3}

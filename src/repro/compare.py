@@ -77,7 +77,9 @@ def load_run(path: str | Path) -> RunRecords:
             f"{path}: no {TRACE_FILE}; not a train.py run directory, or it ran with "
             "trainer.trace=false."
         )
-    text = trace.read_text()
+    # bytes that are not UTF-8 (a write cut short, a damaged disk) become U+FFFD, so the
+    # line they are in is reported like any other line that is not a record
+    text = trace.read_bytes().decode("utf-8", errors="replace")
     lines = text.splitlines()
     notes, steps = [], []
     for n, line in enumerate(lines, 1):

@@ -14,6 +14,7 @@ import hashlib
 import importlib
 import inspect
 import json
+import math
 import os
 import re
 import types
@@ -186,6 +187,7 @@ def validate(cfg: DictConfig) -> None:
                 raise ConfigError(
                     f"config error: {key} is required (??? in the config); set {key}=..."
                 )
+    _validate_finite(OmegaConf.to_container(cfg, resolve=False), "")
     _validate_run(cfg)
     _validate_trainer(cfg.trainer)
     validate_process_settings(cfg)
@@ -198,6 +200,19 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(
             f"config error: data.path={cfg.data.path!r} does not exist; point it at your data."
         )
+
+
+def _validate_finite(node: Any, prefix: str) -> None:
+    """No float key is inf or nan (``optim.lr=inf`` trains on NaN, silently)."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if prefix or key != "hydra":
+                _validate_finite(value, f"{prefix}{key}.")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            _validate_finite(value, f"{prefix}{i}.")
+    elif isinstance(node, float) and not math.isfinite(node):
+        _fail(prefix.rstrip("."), node, "a finite number")
 
 
 def _validate_run(cfg: DictConfig) -> None:

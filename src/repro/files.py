@@ -1,5 +1,9 @@
 """The names of what a run directory holds (docs/resume.md describes each), in one place and
-without imports, so that the tools that only read a run do not load torch."""
+without heavy imports, so that the tools that only read a run do not load torch; and how
+its JSON files keep valid (:func:`finite_or_null`)."""
+
+import math
+from typing import Any
 
 TRACE_FILE = "trace.jsonl"  # repro.trace
 ENV_FILE = "env.json"  # repro.fingerprint
@@ -8,3 +12,15 @@ EVAL_FILE = "eval.csv"  # repro.logs
 SUMMARY_FILE = "summary.json"  # repro.loop
 ERROR_FILE = "error.json"  # train.py, for a failed job of a sweep
 CHECKPOINT_DIR = "checkpoints"  # repro.checkpoint
+
+
+def finite_or_null(obj: Any) -> Any:
+    """``obj`` with every float that is not finite (a diverged loss, the Dice of a class that
+    never occurs) replaced by ``None``: JSON's null, where a bare NaN is not valid JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: finite_or_null(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_null(v) for v in obj]
+    return obj

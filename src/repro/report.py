@@ -26,7 +26,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from repro.errors import ReproError
-from repro.files import ERROR_FILE, EVAL_FILE, METRICS_FILE, SUMMARY_FILE
+from repro.files import ERROR_FILE, EVAL_FILE, METRICS_FILE, SUMMARY_FILE, finite_or_null
 
 # The headline and metrics of summaries written before tasks recorded them.
 DEFAULT_METRICS = ("val_accuracy", "val_loss")
@@ -87,7 +87,13 @@ class Job:
 
 def _job_status(job_dir: Path) -> tuple[str, dict[str, Any], str]:
     if (job_dir / SUMMARY_FILE).is_file():
-        return "ok", json.loads((job_dir / SUMMARY_FILE).read_text()), ""
+        try:
+            return "ok", json.loads((job_dir / SUMMARY_FILE).read_text()), ""
+        except ValueError as err:  # UnicodeDecodeError included
+            raise ReproError(
+                f"{job_dir / SUMMARY_FILE}: not JSON ({err}); the file is damaged: "
+                f"re-run the job (repro rerun {job_dir}) or move it out of the sweep."
+            ) from None
     if (job_dir / ERROR_FILE).is_file():
         try:
             err = json.loads((job_dir / ERROR_FILE).read_text())
@@ -105,6 +111,17 @@ def _job_status(job_dir: Path) -> tuple[str, dict[str, Any], str]:
     return "incomplete", {}, detail
 
 
+def _load_yaml(path: Path) -> Any:
+    try:
+        return OmegaConf.load(path)
+    except Exception as err:  # yaml's parser and scanner errors, undecodable bytes
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ReproError(
+            f"{path}: not valid YAML ({first}); the file is damaged: fix it, or move its job "
+            "directory out of the sweep."
+        ) from None
+
+
 def find_jobs(sweep_dir: Path) -> list[Job]:
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
@@ -114,11 +131,11 @@ def find_jobs(sweep_dir: Path) -> list[Job]:
         overrides_file = sub / ".hydra" / "overrides.yaml"
         if not overrides_file.is_file():
             continue
-        overrides = [str(o) for o in OmegaConf.load(overrides_file)]
+        overrides = [str(o) for o in _load_yaml(overrides_file)]
         config_file = sub / ".hydra" / "config.yaml"
         seed = None
         if config_file.is_file():
-            seed = OmegaConf.load(config_file).get("seed")
+            seed = _load_yaml(config_file).get("seed")
         head = sub.name.split("_", 1)[0]
         num = int(head) if head.isdigit() else len(jobs)
         status, summary, error = _job_status(sub)
@@ -147,6 +164,11 @@ def describe(values: list[float]) -> dict[str, Any]:
     return out
 
 
+def as_json(report: dict[str, Any]) -> str:
+    """The report as valid JSON: a value that is not finite is null."""
+    return json.dumps(finite_or_null(report), indent=2, allow_nan=False) + "\n"
+
+
 def outliers(jobs: list[Job], metric: str, stats: dict[str, Any]) -> list[dict[str, Any]]:
     """Seeds more than 2 SD from the group's mean (needs n >= 3)."""
     sd = stats.get("sd")
@@ -154,7 +176,10 @@ def outliers(jobs: list[Job], metric: str, stats: dict[str, Any]) -> list[dict[s
         return []
     found = []
     for j in jobs:
-        z = (j.summary[metric] - stats["mean"]) / sd
+        value = j.summary.get(metric)
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            continue  # left out of the statistics too
+        z = (value - stats["mean"]) / sd
         if abs(z) > 2:
             found.append({"seed": j.seed, "job": j.dir.name, "value": j.summary[metric], "z": z})
     return found
@@ -347,7 +372,7 @@ def write_report(sweep_dir: Path) -> tuple[dict[str, Any], str, list[Path]]:
     """Build the report and write report.md, report.json (and PNGs) into the sweep dir."""
     sweep_dir = Path(sweep_dir)
     report = build_report(sweep_dir)
-    (sweep_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")  # text first
+    (sweep_dir / "report.json").write_text(as_json(report))  # text first
     (sweep_dir / "report.md").write_text(format_markdown(report, {}))
     try:
         figures, note = plot(report, sweep_dir)
@@ -360,7 +385,7 @@ def write_report(sweep_dir: Path) -> tuple[dict[str, Any], str, list[Path]]:
     if note:
         text += f"\n_{note}._\n"
     (sweep_dir / "report.md").write_text(text)
-    (sweep_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (sweep_dir / "report.json").write_text(as_json(report))
     written = [sweep_dir / "report.md", sweep_dir / "report.json"]
     written += [sweep_dir / f for f in figures.values()]
     return report, text, written

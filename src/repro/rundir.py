@@ -31,6 +31,7 @@ from repro.files import (
     METRICS_FILE,
     SUMMARY_FILE,
     TRACE_FILE,
+    finite_or_null,
 )
 
 log = logging.getLogger("repro")
@@ -134,4 +135,6 @@ def adopt_logs(source_run: Path, run_dir: Path) -> None:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    atomic_write(path, lambda f: f.write((json.dumps(obj, indent=2) + "\n").encode()))
+    """``obj`` as JSON, atomically; a value that is not finite is written as ``null``."""
+    text = json.dumps(finite_or_null(obj), indent=2, allow_nan=False) + "\n"
+    atomic_write(path, lambda f: f.write(text.encode()))
