@@ -13,11 +13,11 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from repro.config import check_overrides
 from repro.errors import INTERRUPTED_EXIT_CODE, Preempted, ReproError, exit_with, report_error
-from repro.files import ERROR_FILE
+from repro.files import ERROR_FILE, LAUNCH_DIR
 from repro.process_env import under_torchrun
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
@@ -31,9 +31,22 @@ def main(cfg: DictConfig) -> float:
 
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    (run_dir / ERROR_FILE).unlink(missing_ok=True)  # from an earlier attempt of this job
+
+    def accepted(run_dir: Path) -> None:
+        """The run directory is this run's: record the launch, as Hydra would have."""
+        (run_dir / ERROR_FILE).unlink(missing_ok=True)  # from an earlier attempt of this job
+        launch = run_dir / LAUNCH_DIR
+        launch.mkdir(exist_ok=True)
+        for name, node in (
+            ("config.yaml", cfg),
+            ("hydra.yaml", OmegaConf.create({"hydra": hydra_cfg})),
+            ("overrides.yaml", hydra_cfg.overrides.task),
+        ):
+            text = OmegaConf.to_yaml(node)
+            atomic_write(launch / name, lambda f, text=text: f.write(text.encode()))
+
     try:
-        summary = train(cfg, run_dir)
+        summary = train(cfg, run_dir, accepted=accepted)
     except Preempted:
         shutdown()  # every rank stopped after the same step, past a barrier
         raise

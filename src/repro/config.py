@@ -109,6 +109,9 @@ class TrainerConfig:
     keep_checkpoints: int = 2  # the newest N periodic checkpoints, plus the last good one
     resume: str | None = None  # auto (this run directory) | a checkpoint file | a run directory
     resume_force: bool = False  # resume even when config/environment differ (recorded)
+    allow_existing_dir: bool = (
+        False  # run in a non-empty directory that is not a run (never overwrites)
+    )
     trace: bool = True  # write trace.jsonl (repro compare reads it)
     trace_every: int = 50  # digest every state-dict tensor every N steps (0: first/last only)
 

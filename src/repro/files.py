@@ -12,6 +12,9 @@ EVAL_FILE = "eval.csv"  # repro.logs
 SUMMARY_FILE = "summary.json"  # repro.loop
 ERROR_FILE = "error.json"  # train.py, for a failed job of a sweep
 CHECKPOINT_DIR = "checkpoints"  # repro.checkpoint
+LOCK_FILE = ".lock"  # repro.rundir: the run's owner, for its lifetime
+LAUNCH_DIR = ".hydra"  # train.py: the config, Hydra's config and the overrides of the launch
+LOG_FILE = "train.log"  # Hydra's job log (opened at its first line)
 
 
 def finite_or_null(obj: Any) -> Any:

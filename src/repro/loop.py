@@ -54,7 +54,7 @@ from repro.logs import NullLog, TrainingLog
 from repro.preemption import Preemption
 from repro.progress import Throughput
 from repro.reduction import Reducer, check_split, share
-from repro.rundir import ResumePoint, adopt_logs, prepare_run_dir, write_json
+from repro.rundir import ResumePoint, RunDirLock, adopt_logs, prepare_run_dir, write_json
 from repro.step import train_step
 from repro.trace import StepTracer, state_dict_sha256, state_digests
 
@@ -62,28 +62,47 @@ log = logging.getLogger("repro")
 
 
 def train(
-    cfg: DictConfig, run_dir: Path, *, after_step: Callable[[int, nn.Module], None] | None = None
+    cfg: DictConfig,
+    run_dir: Path,
+    *,
+    after_step: Callable[[int, nn.Module], None] | None = None,
+    accepted: Callable[[Path], None] | None = None,
 ) -> dict[str, Any]:
     """Run one training job into ``run_dir`` and return its summary.
 
     With ``trainer.resume`` set, continue from a checkpoint: the weights, trace and metrics
     are those the uninterrupted run produces. ``after_step(step, model)``, if given, is called
     after each optimizer step (1-based), before that step's digests are taken: a hook for
-    instrumentation and for tests. Under ``torchrun`` every rank calls this with the same
-    ``run_dir``: each computes its share of every step's micro-batches, only rank 0 writes
-    files, and the bits are those of one process (:mod:`repro.reduction`)."""
+    instrumentation and for tests. ``accepted(run_dir)`` is called on rank 0 once the run
+    directory is taken (``train.py`` writes the launch's ``.hydra/`` then), never for a
+    refused launch. Under ``torchrun`` every rank calls this with the same ``run_dir``: each
+    computes its share of every step's micro-batches, only rank 0 writes files, and the bits
+    are those of one process (:mod:`repro.reduction`)."""
     run = Run.start(cfg, run_dir)
-    t, world = cfg.trainer, run.world
+    lock = RunDirLock(run.dir)  # rank 0 takes it, for the run's lifetime
+    try:
+        return _train(run, lock, after_step, accepted)
+    finally:
+        lock.release()
+
+
+def _train(
+    run: Run,
+    lock: RunDirLock,
+    after_step: Callable[[int, nn.Module], None] | None,
+    accepted: Callable[[Path], None] | None,
+) -> dict[str, Any]:
+    cfg, t, world = run.cfg, run.cfg.trainer, run.world
     max_steps = int(t.max_steps)
     first, count = micro_batch_share(cfg, world)
-    # rank 0 looks at the run directory (and refuses before writing anything); every rank
-    # gets its answer and the checkpoint to resume from
-    resume, finished = on_main(
-        functools.partial(prepare_run_dir, cfg, run.dir, run.identity), world
-    )
+    # rank 0 takes the directory's lock and looks at it (and refuses before writing
+    # anything); every rank gets its answer and the checkpoint to resume from
+    resume, finished = on_main(functools.partial(take_run_dir, run, lock), world)
     if finished is not None:
         log.info(f"{run.dir}: already complete ({max_steps} steps); nothing to resume")
         return finished
+    if world.main and accepted is not None:
+        accepted(run.dir)
     start = resume.step if resume else 0
     report = apply_determinism(cfg, run.device)  # layers 0-2, before model and loader exist
     write_run_start(run, report, start)
@@ -164,6 +183,12 @@ class Run:
         env = {**environment(), "world_size": world.size, "dist_backend": world.backend}
         identity = RunIdentity(resolved_container(cfg), config_hash(cfg), env, device.type)
         return cls(cfg, Path(run_dir), world, device, identity, started)
+
+
+def take_run_dir(run: Run, lock: RunDirLock) -> tuple[ResumePoint | None, dict[str, Any] | None]:
+    """Rank 0: the run directory's lock, then :func:`repro.rundir.prepare_run_dir`."""
+    lock.acquire()
+    return prepare_run_dir(run.cfg, run.dir, run.identity)
 
 
 def due(done: int, every: int, max_steps: int) -> bool:

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import socket
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +31,11 @@ from repro.errors import CheckpointError, ConfigError
 from repro.files import (
     CHECKPOINT_DIR,
     ENV_FILE,
+    ERROR_FILE,
     EVAL_FILE,
+    LAUNCH_DIR,
+    LOCK_FILE,
+    LOG_FILE,
     METRICS_FILE,
     SUMMARY_FILE,
     TRACE_FILE,
@@ -66,6 +74,7 @@ def prepare_run_dir(
     """(where to resume, or None to start at step 0; the summary of a run that is already
     complete, or None). Raises a one-line error for what cannot be done."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    refuse_what_is_not_a_run(run_dir, bool(cfg.trainer.allow_existing_dir))
     found = _resume_point(cfg, run_dir, identity)
     max_steps = int(cfg.trainer.max_steps)
     if found is not None and found.step > max_steps:
@@ -88,8 +97,6 @@ def _resume_point(cfg: DictConfig, run_dir: Path, identity: RunIdentity) -> Resu
         source_run = source_run.parent
     if source_run.resolve() != run_dir.resolve():
         refuse_to_overwrite(run_dir)  # resuming another run writes here: it must be new
-    for leftover in remove_partial_writes(run_dir):
-        log.info(f"resume: removed {leftover.name}, a write interrupted before its rename")
     found = find_resume_point(source, log.warning)
     if found is None:
         if str(t.resume) != "auto":
@@ -113,6 +120,8 @@ def _resume_point(cfg: DictConfig, run_dir: Path, identity: RunIdentity) -> Resu
         )
     for d in differ:
         log.warning(f"resume_force: {d}")
+    for leftover in remove_partial_writes(run_dir):  # only now: a refusal changes nothing
+        log.info(f"resume: removed {leftover.name}, a write interrupted before its rename")
     return ResumePoint(path, state, differ)
 
 
@@ -123,6 +132,127 @@ def refuse_to_overwrite(run_dir: Path) -> None:
             f"{run_dir} already holds a run ({', '.join(existing)}); resume it with "
             "trainer.resume=auto, or choose another hydra.run.dir (nothing was overwritten)."
         )
+
+
+# What a run of this project writes into its directory: anything else is someone's file.
+RUN_FILES = {
+    LOCK_FILE,
+    LAUNCH_DIR,
+    LOG_FILE,
+    "determinism.json",
+    "determinism.txt",
+    ENV_FILE,
+    TRACE_FILE,
+    METRICS_FILE,
+    EVAL_FILE,
+    SUMMARY_FILE,
+    ERROR_FILE,
+    CHECKPOINT_DIR,
+    "rerun",
+}
+
+
+# What only a run of this project leaves: a directory holding one of these is a run.
+RUN_MARKERS = (LAUNCH_DIR, "determinism.json", ENV_FILE, TRACE_FILE, CHECKPOINT_DIR, SUMMARY_FILE)
+
+
+def _ours(name: str) -> bool:
+    return (
+        name in RUN_FILES
+        or name.startswith(("checkpoint", "env-resume-"))
+        or name.endswith((".tmp", ".sha256"))
+    )
+
+
+def refuse_what_is_not_a_run(run_dir: Path, allow: bool) -> None:
+    """A directory that is neither empty nor a run is someone's: refused, unless ``allow``;
+    and even then, a file there with a name the run writes (a ``metrics.csv`` of one's own)
+    is never overwritten: refused too."""
+    entries = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE)
+    if not entries or any((run_dir / m).exists() for m in RUN_MARKERS):
+        return  # a new run, or a run of this project (the resume rules apply)
+    clash = [n for n in entries if _ours(n)]
+    if clash:
+        raise ConfigError(
+            f"{run_dir} holds {', '.join(clash[:3])}, which a run would overwrite, but no run "
+            "of this project; move them, or choose a new hydra.run.dir (nothing was written)."
+        )
+    if not allow:
+        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise ConfigError(
+            f"{run_dir} is not empty and holds no run of this project ({shown}); choose a new "
+            "hydra.run.dir, or set trainer.allow_existing_dir=true to run beside those files "
+            "(nothing was written)."
+        )
+
+
+class RunDirLock:
+    """The run directory's owner, for the run's lifetime: ``.lock``, created with
+    ``O_CREAT | O_EXCL`` (atomic on local filesystems and on NFS v3 and later), holding the
+    host, the pid and the start time. A second launch into the directory is refused with
+    the holder's name. A lock whose process is gone is taken over, on the same host only
+    (on another host the process cannot be checked: the message says how to remove it)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / LOCK_FILE
+        self.held = False
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if not self._stale(holder):
+                    raise ConfigError(
+                        f"{self.path.parent} is in use by another run (host "
+                        f"{holder.get('host', '?')}, pid {holder.get('pid', '?')}, started "
+                        f"{_when(holder.get('started'))}); wait for it, or choose another "
+                        f"hydra.run.dir. If that run is gone, delete {self.path}."
+                    ) from None
+                print(
+                    f"{self.path}: taking over the lock of pid {holder.get('pid')}, which is "
+                    "no longer running on this host",
+                    file=sys.stderr,
+                )
+                self.path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return
+        raise ConfigError(f"{self.path}: could not take the lock; try again.")
+
+    def _holder(self) -> dict[str, Any]:
+        try:
+            return dict(json.loads(self.path.read_text()))
+        except (OSError, ValueError, TypeError):
+            return {}  # being written this instant, or damaged: treated as held
+
+    @staticmethod
+    def _stale(holder: dict[str, Any]) -> bool:
+        if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+            return False
+        try:
+            os.kill(holder["pid"], 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+
+
+def _when(started: Any) -> str:
+    if not isinstance(started, (int, float)):
+        return "?"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
 
 
 def adopt_logs(source_run: Path, run_dir: Path) -> None:

@@ -1,0 +1,129 @@
+"""The run directory is the run's: one run at a time (a lock), a refused launch changes no
+byte, and a directory holding someone else's files is not written into."""
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import SMALL_DATA, run_train, train_cmd, train_here, user_env
+from repro.errors import ConfigError
+from repro.files import LOCK_FILE
+
+QUICK = ["trainer.max_steps=4", "trainer.eval_every=4", *SMALL_DATA, "model.width=8"]
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every file under ``root`` (hidden ones included) and its SHA-256."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished run, launched as a user does (train.py: .hydra/ and train.log included)."""
+    return run_train(tmp_path_factory.mktemp("rundir") / "run", *QUICK)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["seed=1"], "already holds a run"),
+        (["seed=1", "trainer.resume=auto"], "written under another configuration"),
+    ],
+    ids=["new-run", "resume-with-another-config"],
+)
+def test_a_refused_launch_changes_no_byte(finished, tmp_path, extra, message):
+    run_dir = tmp_path / "copy"
+    subprocess.run(["cp", "-a", str(finished.dir), str(run_dir)], check=True)
+    before = tree(run_dir)
+    assert ".hydra/overrides.yaml" in before and "train.log" in before
+    refused = run_train(run_dir, *QUICK, *extra, check=False)
+    assert refused.proc.returncode == 1 and message in refused.proc.stderr
+    assert tree(run_dir) == before  # .hydra/ and train.log included
+
+
+def test_a_run_directory_in_use_is_refused_naming_its_holder(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    holder = {"host": "node17", "pid": 4242, "started": time.time()}
+    (run_dir / LOCK_FILE).write_text(json.dumps(holder))
+    before = tree(run_dir)
+    with pytest.raises(ConfigError, match=r"in use by another run \(host node17, pid 4242"):
+        train_here(run_dir, *QUICK)
+    assert tree(run_dir) == before
+
+
+def test_a_stale_lock_on_this_host_is_taken_over(tmp_path, capfd):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that is no longer running
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    stale = {"host": socket.gethostname(), "pid": dead.pid, "started": time.time() - 60}
+    (run_dir / LOCK_FILE).write_text(json.dumps(stale))
+    run = train_here(run_dir, *QUICK)
+    assert run.summary["steps"] == 4 and not (run_dir / LOCK_FILE).exists()  # released
+    assert f"taking over the lock of pid {dead.pid}" in capfd.readouterr().err
+
+
+@pytest.mark.e2e
+def test_two_launches_into_one_directory_exactly_one_runs(tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["trainer.max_steps=30", "trainer.eval_every=30", *SMALL_DATA, "loader=single"]
+    procs = []
+    for seed in (0, 1):
+        procs.append(
+            subprocess.Popen(
+                train_cmd(f"hydra.run.dir={run_dir}", *args, f"seed={seed}"),
+                cwd=tmp_path,
+                env=user_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+        time.sleep(0.3)
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    codes = sorted(code for code, _ in results)
+    assert codes == [0, 1], results
+    winner = next(seed for seed, (code, _) in enumerate(results) if code == 0)
+    loser_err = next(err for code, err in results if code == 1)
+    assert "in use by another run" in loser_err or "already holds a run" in loser_err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["seed"] == winner  # the winner's files only
+    for line in (run_dir / "trace.jsonl").read_text().splitlines():
+        json.loads(line)  # every line a record: one writer
+    overrides = (run_dir / ".hydra" / "overrides.yaml").read_text()
+    assert f"seed={winner}" in overrides
+
+
+def test_a_directory_of_someone_elses_files_is_refused_unless_allowed(tmp_path):
+    run_dir = tmp_path / "mine"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("my notes")
+    with pytest.raises(ConfigError, match=r"not empty and holds no run .*\(notes.txt\)"):
+        train_here(run_dir, *QUICK)
+    assert tree(run_dir) == {"notes.txt": hashlib.sha256(b"my notes").hexdigest()}
+    run = train_here(run_dir, *QUICK, "trainer.allow_existing_dir=true")
+    assert run.summary["steps"] == 4 and (run_dir / "notes.txt").read_text() == "my notes"
+
+
+def test_a_file_a_run_would_overwrite_is_never_overwritten(tmp_path):
+    run_dir = tmp_path / "mine"
+    run_dir.mkdir()
+    (run_dir / "metrics.csv").write_text("my own metrics\n")
+    for allow in ("false", "true"):
+        with pytest.raises(ConfigError, match="holds metrics.csv, which a run would overwrite"):
+            train_here(run_dir, *QUICK, f"trainer.allow_existing_dir={allow}")
+    assert (run_dir / "metrics.csv").read_text() == "my own metrics\n"
+    assert sorted(os.listdir(run_dir)) == ["metrics.csv"]
