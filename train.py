@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from repro.config import check_overrides
 from repro.errors import INTERRUPTED_EXIT_CODE, Preempted, ReproError, exit_with, report_error
-from repro.files import ERROR_FILE, LAUNCH_DIR
+from repro.files import ERROR_FILE, LAUNCH_DIR, LOG_FILE
 from repro.process_env import under_torchrun
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
@@ -71,7 +71,16 @@ def main(cfg: DictConfig) -> float:
         if hydra_cfg.mode != RunMode.MULTIRUN:
             if isinstance(err, ReproError):
                 exit_with(err)
-            raise
+            # one line here; the traceback goes into the run's log, where it is kept
+            log_file = run_dir / LOG_FILE
+            with open(log_file, "a") as f:
+                f.write(traceback.format_exc())
+            first = (str(err).strip().splitlines() or [""])[0]
+            print(
+                f"error: {type(err).__name__}: {first} (traceback in {log_file})",
+                file=sys.stderr,
+            )
+            raise SystemExit(1) from None
         # In a sweep, a failing job must not take the others with it: record why it failed
         # (repro report lists it), then let Hydra mark the job failed and go on.
         record = {

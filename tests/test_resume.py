@@ -7,6 +7,7 @@ signalled are separate processes (`python train.py`), killed from outside; the
 uninterrupted runs and the resumes train in this process (conftest.train_here), so the
 bits are also shown not to depend on which process trained them."""
 
+import errno
 import os
 import shutil
 import signal
@@ -214,6 +215,49 @@ def test_a_second_ctrl_c_stops_at_once_and_the_last_checkpoint_still_resumes(tmp
     again = [*CTRL_C, "+model.presses=2", "model.at_eval=0", "trainer.resume_force=true"]
     resumed = train_here(run_dir, *again, "trainer.resume=auto")
     assert resumed.summary["resumes"][0]["step"] == 4 and resumed.summary["steps"] == 12
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS], ids=["full", "read-only"])
+def test_a_full_or_read_only_disk_is_one_line_and_the_run_resumes_exactly(
+    code, straight, tmp_path, monkeypatch
+):
+    """The step-20 checkpoint's write fails (a patched writer: the CI machine's root can
+    write anywhere): one line naming the file, the free space, the last good checkpoint
+    and the resume command; the resume from step 10 gives the uninterrupted bits."""
+    import repro.checkpoint
+
+    overrides = SCENARIOS["mid-epoch"]
+    run_dir = tmp_path / "run"
+    real = repro.checkpoint.save_checkpoint
+
+    def failing(path, state):
+        if state["step"] == 20:
+            raise OSError(code, os.strerror(code), str(path))
+        return real(path, state)
+
+    monkeypatch.setattr(repro.checkpoint, "save_checkpoint", failing)
+    with pytest.raises(CheckpointError) as err:
+        train_here(run_dir, *overrides)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"cannot write {run_dir}/checkpoints/")
+    assert os.strerror(code) in message and "MiB free there" in message
+    assert "last good checkpoint is" in message and "step-00000010.pt" in message
+    assert f"trainer.resume=auto hydra.run.dir={run_dir}" in message
+    monkeypatch.setattr(repro.checkpoint, "save_checkpoint", real)
+    assert_same_as(resume(run_dir, overrides), straight("mid-epoch"))
+
+
+def test_a_run_directory_without_room_for_two_checkpoints_is_refused_before_training(
+    tmp_path, monkeypatch
+):
+    import shutil as shutil_module
+
+    usage = shutil_module.disk_usage(tmp_path)
+    monkeypatch.setattr("repro.rundir.shutil.disk_usage", lambda p: usage._replace(free=64 * 1024))
+    with pytest.raises(CheckpointError, match=r"0.1 MiB free, and two checkpoints of this model"):
+        train_here(tmp_path / "run", *SCENARIOS["mid-epoch"])
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "run" / "metrics.csv").exists()  # no step was trained
 
 
 @pytest.mark.e2e

@@ -210,6 +210,11 @@ def test_an_error_mid_run_ends_the_process_with_the_default_loader(tmp_path):
         timeout=120,  # it hung forever before the loop stopped its workers
     )
     assert proc.returncode == 1 and "this rank's forward fails" in proc.stderr
+    # one line on the terminal; the traceback is kept in the run's log
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: RuntimeError: this rank's forward fails") and "train.log" in last
+    assert "Traceback" not in proc.stderr
+    assert "Traceback" in (tmp_path / "x" / "train.log").read_text()
 
 
 def test_a_new_run_does_not_keep_an_earlier_attempts_eval_rows(tmp_path):

@@ -54,7 +54,15 @@ from repro.logs import NullLog, TrainingLog
 from repro.preemption import Preemption
 from repro.progress import Throughput
 from repro.reduction import Reducer, check_split, share
-from repro.rundir import ResumePoint, RunDirLock, adopt_logs, prepare_run_dir, write_json
+from repro.rundir import (
+    ResumePoint,
+    RunDirLock,
+    adopt_logs,
+    check_room,
+    disk_error,
+    prepare_run_dir,
+    write_json,
+)
 from repro.step import train_step
 from repro.trace import StepTracer, state_dict_sha256, state_digests
 
@@ -82,6 +90,11 @@ def train(
     lock = RunDirLock(run.dir)  # rank 0 takes it, for the run's lifetime
     try:
         return _train(run, lock, after_step, accepted)
+    except OSError as err:  # a full or read-only disk: one line, with the way back
+        explained = disk_error(err, run.dir)
+        if explained is None:
+            raise
+        raise explained from err
     finally:
         lock.release()
 
@@ -109,6 +122,8 @@ def _train(
 
     data = build_data(cfg, world)
     training = build_training(cfg, data, run.device)
+    if world.main:  # writable, with room for two checkpoints, before the first step
+        check_room(run.dir, sum(v.nbytes for v in training.model.state_dict().values()))
     resumes = restore(run, training, resume) if resume else []
     loader = build_loader(cfg, data, run.device, start_step=start, shard=(first, count))
     steps_per_epoch = loader.sampler.steps_per_epoch

@@ -7,12 +7,14 @@ into the directory before the decision, so a refused launch leaves it as it was.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import shutil
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +23,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from repro.checkpoint import (
+    LAST_GOOD,
     RunIdentity,
     atomic_write,
     find_resume_point,
@@ -245,8 +248,11 @@ class RunDirLock:
 
     def release(self) -> None:
         if self.held:
-            self.path.unlink(missing_ok=True)
             self.held = False
+            try:
+                self.path.unlink(missing_ok=True)
+            except OSError:  # a filesystem gone read-only: the next launch takes it over
+                pass
 
 
 def _when(started: Any) -> str:
@@ -268,3 +274,52 @@ def write_json(path: Path, obj: Any) -> None:
     """``obj`` as JSON, atomically; a value that is not finite is written as ``null``."""
     text = json.dumps(finite_or_null(obj), indent=2, allow_nan=False) + "\n"
     atomic_write(path, lambda f: f.write(text.encode()))
+
+
+# Errors of a write that more space or a writable filesystem would fix.
+DISK_ERRORS = {errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EACCES, errno.EPERM}
+
+
+def disk_error(err: OSError, run_dir: Path) -> CheckpointError | None:
+    """A full, read-only or forbidden disk met at a write, as one line: the path, the free
+    space, the last good checkpoint (intact: checkpoints are renamed into place only when
+    complete) and the resume command. None for any other error."""
+    if err.errno not in DISK_ERRORS:
+        return None
+    where = Path(err.filename) if err.filename else run_dir
+    last = run_dir / CHECKPOINT_DIR / LAST_GOOD
+    good = last.read_text().strip() if last.is_file() else None
+    return CheckpointError(
+        f"cannot write {where}: {err.strerror} ({_free(where)} free there); the last good "
+        f"checkpoint is {run_dir / CHECKPOINT_DIR / good if good else 'none yet'}. Free space "
+        "or make it writable, then resume: the same command plus trainer.resume=auto "
+        f"hydra.run.dir={run_dir}"
+    )
+
+
+def _free(path: Path) -> str:
+    for folder in (path, *path.parents):
+        try:
+            return f"{shutil.disk_usage(folder).free / 2**20:.1f} MiB"
+        except OSError:
+            continue
+    return "unknown"
+
+
+def check_room(run_dir: Path, state_bytes: int) -> None:
+    """Before the first step: the run directory takes a file, and has room for two
+    checkpoints (estimated as 3× the model's state: weights and two optimizer moments)."""
+    try:
+        with tempfile.TemporaryFile(dir=run_dir):
+            pass
+    except OSError as err:
+        raise CheckpointError(
+            f"{run_dir}: cannot write there ({err.strerror}); choose another hydra.run.dir."
+        ) from None
+    need = 2 * 3 * state_bytes
+    free = shutil.disk_usage(run_dir).free
+    if free < need:
+        raise CheckpointError(
+            f"{run_dir}: {free / 2**20:.1f} MiB free, and two checkpoints of this model need "
+            f"about {need / 2**20:.1f} MiB; free space or choose another hydra.run.dir."
+        )
