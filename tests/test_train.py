@@ -241,3 +241,19 @@ def test_json_files_stay_valid_json_when_a_value_is_not_finite(tmp_path):
 
     loaded = json.loads((tmp_path / "s.json").read_text(), parse_constant=refuse)
     assert loaded == {"loss": None, "dice": [None, 0.5], "n": 3}
+
+
+def test_a_loss_that_is_not_finite_stops_the_run_in_one_line(tmp_path):
+    """optim.lr=1e6 diverges within a few steps: the run stops at the flush that sees it,
+    naming the step and the last checkpoint before it, instead of training on NaN."""
+    from repro.errors import Diverged
+
+    diverging = [*TINY, "optim.lr=1e6", "trainer.max_steps=40", "trainer.log_every=1"]
+    with pytest.raises(Diverged, match=r"^step (\d+): the loss is (nan|inf)") as err:
+        train_here(tmp_path / "stop", *diverging, "trainer.checkpoint_every=1")
+    step = int(str(err.value).split(":")[0].split()[1])
+    assert f"step-{step - 1:08d}.pt" in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "stop" / "summary.json").exists()
+    went_on = train_here(tmp_path / "on", *diverging, "trainer.on_nonfinite=continue")
+    assert went_on.summary["steps"] == 40
+    assert json.loads((tmp_path / "on" / "summary.json").read_text())["final_loss"] is None

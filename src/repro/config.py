@@ -109,9 +109,8 @@ class TrainerConfig:
     keep_checkpoints: int = 2  # the newest N periodic checkpoints, plus the last good one
     resume: str | None = None  # auto (this run directory) | a checkpoint file | a run directory
     resume_force: bool = False  # resume even when config/environment differ (recorded)
-    allow_existing_dir: bool = (
-        False  # run in a non-empty directory that is not a run (never overwrites)
-    )
+    allow_existing_dir: bool = False  # a non-empty directory that is no run (never overwritten)
+    on_nonfinite: str = "stop"  # stop | continue: a loss or gradient norm that is inf or nan
     trace: bool = True  # write trace.jsonl (repro compare reads it)
     trace_every: int = 50  # digest every state-dict tensor every N steps (0: first/last only)
 
@@ -251,6 +250,8 @@ def _validate_trainer(t: DictConfig) -> None:
             f"config error: trainer.resume={resume!r}: no such checkpoint file or run "
             "directory; give one, or trainer.resume=auto to resume this run directory."
         )
+    if t.on_nonfinite not in ("stop", "continue"):
+        _fail("trainer.on_nonfinite", t.on_nonfinite, "stop or continue")
     if t.trace_every < 0:
         _fail("trainer.trace_every", t.trace_every, "an integer >= 0 (0: initial and final only)")
     if t.batch_size % t.micro_batch_size != 0:

@@ -76,6 +76,10 @@ def _inside_a_collective(error: BaseException) -> bool:
     return tb is not None and f"torch{os.sep}distributed{os.sep}" in tb.tb_frame.f_code.co_filename
 
 
+class Diverged(ReproError):
+    """A loss or gradient norm that is not finite (``trainer.on_nonfinite=stop``)."""
+
+
 class CheckpointError(ReproError):
     """A checkpoint that is damaged, foreign, unsafe or missing."""
 

@@ -115,6 +115,8 @@ class TrainingLog:
         last = dict(resumed or {})
         self.last_loss: float = last.pop("loss", math.nan)
         self.last_metrics: dict[str, float] = last
+        # (step, loss, grad norm) of the first step that was not finite, once a flush saw it
+        self.diverged: tuple[int, float, float] | None = None
         # (step, loss, grad norm, lr, trace record): tensors on the device until a flush
         self.pending: list[tuple[int, torch.Tensor, torch.Tensor, float, dict[str, Any]]] = []
         self.held: list[dict[str, Any]] = []  # trace records whose state digest is hashing
@@ -183,6 +185,11 @@ class TrainingLog:
                 )
             self.last_loss = rows[-1][2]
             self.pending.clear()
+            if self.diverged is None:  # the first step whose loss or gradient norm is not finite
+                self.diverged = next(
+                    ((s, loss, norm) for s, _, loss, norm, _ in rows if not _finite(loss, norm)),
+                    None,
+                )
         ready = 0
         for record in self.held:
             digest = record.get("tensors")
@@ -214,6 +221,7 @@ class NullLog(TrainingLog):
 
     def __init__(self) -> None:
         self.last_loss, self.last_metrics = math.nan, {}
+        self.diverged = None
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         pass
@@ -223,3 +231,7 @@ class NullLog(TrainingLog):
 
     def close(self) -> None:
         pass
+
+
+def _finite(*values: float) -> bool:
+    return all(math.isfinite(v) for v in values)

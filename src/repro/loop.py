@@ -47,6 +47,7 @@ from repro.determinism import DeterminismReport, apply_determinism
 from repro.dist import World, broadcast_object, on_main
 from repro.dist import init as init_world
 from repro.doctor import explain_nondeterministic_op
+from repro.errors import Diverged
 from repro.evaluation import check_task, evaluate
 from repro.files import ENV_FILE, SUMMARY_FILE
 from repro.fingerprint import environment, run_fingerprint
@@ -165,6 +166,8 @@ def _train(
             if world.main and due(done, int(t.eval_every), max_steps):
                 metrics = evaluate(training, data.val, normalize, int(t.eval_batch_size))
             logs.step(done, loss, grad_norm, lr, record, metrics)
+            if logs.diverged and t.on_nonfinite == "stop":
+                raise diverged(run, logs.diverged, checkpoints.last_saved)
             if world.main and due(done, int(t.checkpoint_every), max_steps):
                 checkpoints.save(done, logs)
             if preemption.poll(done):
@@ -204,6 +207,18 @@ def take_run_dir(run: Run, lock: RunDirLock) -> tuple[ResumePoint | None, dict[s
     """Rank 0: the run directory's lock, then :func:`repro.rundir.prepare_run_dir`."""
     lock.acquire()
     return prepare_run_dir(run.cfg, run.dir, run.identity)
+
+
+def diverged(run: Run, first: tuple[int, float, float], saved: int | None) -> Diverged:
+    """The one line for a loss or gradient norm that is not finite (seen at a log flush, so
+    up to ``trainer.log_every`` steps after it)."""
+    step, loss, norm = first
+    before = checkpoint_path(run.dir, saved) if saved and saved < step else None
+    again = f"; the last checkpoint before it is {before}" if before else ""
+    return Diverged(
+        f"step {step}: the loss is {loss} and the gradient norm {norm}: training diverged"
+        f"{again}. Lower optim.lr, or set trainer.on_nonfinite=continue to train on."
+    )
 
 
 def due(done: int, every: int, max_steps: int) -> bool:
