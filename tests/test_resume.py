@@ -261,6 +261,44 @@ def test_a_run_directory_without_room_for_two_checkpoints_is_refused_before_trai
 
 
 @pytest.mark.e2e
+def test_a_storm_of_kills_ends_on_the_uninterrupted_bits(straight, tmp_path):
+    """Six SIGKILLs on a seeded schedule, with the default loader (2 workers): three after a
+    random number of steps, three while a checkpoint is being written (its temporary file
+    exists: fsync is slowed to 0.3 s in these processes); each relaunch resumes with
+    trainer.resume=auto, and the last one runs to the end."""
+    import random
+
+    overrides = [*SCENARIOS["mid-epoch"], "trainer.resume=auto"]
+    run_dir = tmp_path / "run"
+    env = user_env(PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "slow_fsync"), str(ROOT)]))
+    schedule = random.Random(0)
+    kinds = ["steps", "writing"] * 3
+    schedule.shuffle(kinds)
+    mid_write = 0
+    for kind in kinds:
+        proc = subprocess.Popen(
+            train_cmd(f"hydra.run.dir={run_dir}", *overrides),
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        target = steps_done(run_dir) + schedule.randint(1, 6)
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            if kind == "steps" and steps_done(run_dir) >= target:
+                break
+            if kind == "writing" and list((run_dir / "checkpoints").glob(".*.tmp")):
+                mid_write += 1
+                break
+            time.sleep(0.002)
+        proc.kill()
+        proc.wait()
+    assert mid_write >= 2, "the storm never caught a checkpoint being written"
+    assert_same_as(resume(run_dir, SCENARIOS["mid-epoch"]), straight("mid-epoch"))
+
+
+@pytest.mark.e2e
 def test_a_crash_between_write_and_rename_leaves_the_previous_checkpoint(straight, tmp_path):
     """The process dies (os._exit) after step 30's checkpoint was written and fsynced but
     before its rename: the temporary file is left, step 20's checkpoint is intact."""

@@ -222,6 +222,7 @@ def test_a_new_run_does_not_keep_an_earlier_attempts_eval_rows(tmp_path):
     at step 0, and its eval.csv holds its own evaluations only."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
+    (run_dir / "determinism.json").write_text("{}")  # the earlier attempt's report ...
     (run_dir / "eval.csv").write_text("step,val_loss,val_accuracy\n4,9.0,0.0\n8,9.0,0.0\n")
     run = train_here(run_dir, *TINY, "trainer.eval_every=2", "trainer.resume=auto")
     rows = (run_dir / "eval.csv").read_text().splitlines()
