@@ -97,6 +97,8 @@ def test_type_errors_fail_at_composition(override):
             "task.class_weights.1=inf is invalid",
         ),
         (["device=tpu"], "device"),
+        (["+foo=1"], "foo is not a key of this config"),
+        (["data=image_folder", "data.path=/etc/hostname"], "is a file; repro.data.image_folder"),
         (["data=image_folder"], "data.path"),
         (["model._target_=no.such.Model"], "model._target_"),
         (["+model.bogus=3"], "model.bogus is not an argument of repro.models.ConvNet"),

@@ -181,3 +181,17 @@ def test_loader_on_device_gives_the_same_bits_as_the_worker_loader(tmp_path):
     refused = "loader.num_workers=2 is invalid; allowed: 0 with loader.on_device=true"
     with pytest.raises(ConfigError, match=refused):
         train_here(tmp_path / "bad", *args, "loader=device", "loader.num_workers=2")
+
+
+def test_an_image_too_large_to_decode_names_its_file(tmp_path, monkeypatch):
+    """PIL refuses a decompression bomb with its own exception type: still one line
+    naming the file."""
+    pytest.importorskip("PIL")
+    from PIL import Image
+
+    from repro.data import read_image
+
+    Image.new("RGB", (64, 64)).save(tmp_path / "huge.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # 64×64 is then > 2× the limit
+    with pytest.raises(DataError, match=r"cannot read image .*huge.png \(DecompressionBombError"):
+        read_image(tmp_path / "huge.png", 16)

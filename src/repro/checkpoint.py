@@ -122,15 +122,19 @@ def load_checkpoint(
     try:
         state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
-        # weights_only names the global it refused to import: a file that carries code
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
-        if found is None:
+        # weights_only refused a global it would have imported: a file that carries code.
+        # Releases word it differently; they name the global after "GLOBAL" (2.11, 2.13)
+        # and all say "global", which a file that is simply not a pickle does not.
+        text = str(err)
+        found = re.search(r"GLOBAL ([\w.]+)", text)
+        if found is None and "global" not in text.lower():
             raise CheckpointError(
                 f"{path}: not a readable checkpoint (not a torch.save file); use another file."
             ) from None
+        name = found.group(1) if found else "an object it does not allow"
         raise CheckpointError(
             f"{path}: refused: it holds Python objects that loading would run "
-            f"({found.group(1)}; weights_only=True stopped it); do not load it unless you "
+            f"({name}; weights_only=True stopped it); do not load it unless you "
             "trust its source."
         ) from None
     except Exception as err:

@@ -189,6 +189,13 @@ def validate(cfg: DictConfig) -> None:
                 raise ConfigError(
                     f"config error: {key} is required (??? in the config); set {key}=..."
                 )
+    known = {f.name for f in dataclasses.fields(TrainConfig)} | {"hydra", "experiment"}
+    for key in cfg:
+        if key not in known:
+            raise ConfigError(
+                f"config error: {key} is not a key of this config (known: "
+                f"{', '.join(sorted(known - {'hydra'}))}); check its spelling."
+            )
     _validate_finite(OmegaConf.to_container(cfg, resolve=False), "")
     _validate_run(cfg)
     _validate_trainer(cfg.trainer)
@@ -201,6 +208,12 @@ def validate(cfg: DictConfig) -> None:
     if "path" in cfg.data and not Path(str(cfg.data.path)).expanduser().exists():
         raise ConfigError(
             f"config error: data.path={cfg.data.path!r} does not exist; point it at your data."
+        )
+    folder = str(cfg.data._target_).endswith(("image_folder", "image_mask_folder"))
+    if folder and not Path(str(cfg.data.path)).expanduser().is_dir():
+        raise ConfigError(
+            f"config error: data.path={cfg.data.path!r} is a file; {cfg.data._target_} reads "
+            "a folder: point data.path at it."
         )
 
 

@@ -255,8 +255,10 @@ def read_image(path: Path, size: int) -> torch.Tensor:
         with Image.open(path) as im:
             im = im.convert("RGB").resize((size, size), Image.BILINEAR)
             data = bytearray(im.tobytes())
-    except OSError as err:
-        raise DataError(f"data: cannot read image {path}: {err}; remove or fix the file.") from err
+    except Exception as err:  # OSError, PIL's DecompressionBombError, a decoder's ValueError
+        raise DataError(
+            f"data: cannot read image {path} ({type(err).__name__}: {err}); remove or fix the file."
+        ) from err
     return torch.frombuffer(data, dtype=torch.uint8).view(size, size, 3).permute(2, 0, 1)
 
 
@@ -276,8 +278,12 @@ def read_mask(
                 )
             im = im.resize((size, size), Image.NEAREST)
             mask = torch.from_numpy(np.array(im, dtype=np.int64))
-    except OSError as err:
-        raise DataError(f"data: cannot read mask {path}: {err}; remove or fix the file.") from err
+    except DataError:
+        raise
+    except Exception as err:  # OSError, PIL's DecompressionBombError, a decoder's ValueError
+        raise DataError(
+            f"data: cannot read mask {path} ({type(err).__name__}: {err}); remove or fix the file."
+        ) from err
     if mask_map:
         mapped = mask.clone()
         for value, cls in mask_map.items():
