@@ -377,8 +377,12 @@ def test_a_damaged_checkpoint_is_detected_and_resume_falls_back(
     resumed = resume(run_dir, SCENARIOS["mid-epoch"])
     assert f"step-00000020.pt: {message}" in resumed.output
     assert "Falling back to the previous checkpoint" in resumed.output
+    assert "set step-00000020.pt aside as step-00000020.pt.bad (damaged)" in resumed.output
     assert resumed.summary["resumes"][0]["step"] == 10
     assert_same_as(resumed, straight("mid-epoch"))
+    kept = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
+    assert not [k for k in kept if k.endswith(".bad")]  # rotation deleted the damaged file first
+    assert kept == [f"step-000000{s}.pt{x}" for s in (30, 40) for x in ("", ".sha256")]
 
 
 class Payload:

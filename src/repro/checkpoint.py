@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from repro.build import Training
 
 CHECKPOINT_FORMAT = "repro.checkpoint.v1"
+BAD_SUFFIX = ".bad"  # a checkpoint a resume found damaged, set aside until the next rotation
 LAST_GOOD = "last_good"  # names the newest checkpoint read back and verified after writing
 _NAME = re.compile(r"step-(\d{8})\.pt")
 log = logging.getLogger("repro")
@@ -164,15 +165,29 @@ def mark_good(path: Path) -> bool:
     return True
 
 
+def set_aside(path: Path) -> Path:
+    """A checkpoint found damaged: renamed ``*.bad`` (with its checksum), out of the
+    rotation's count; the next rotation deletes it."""
+    bad = path.with_name(path.name + BAD_SUFFIX)
+    os.replace(path, bad)
+    if sidecar(path).exists():
+        os.replace(sidecar(path), sidecar(bad))
+    return bad
+
+
 def rotate(run_dir: Path, keep: int) -> list[Path]:
-    """Delete periodic checkpoints beyond the newest ``keep``, never the last good one.
-    Returns what was deleted."""
+    """Delete checkpoints known to be damaged (``*.bad``), then periodic ones beyond the
+    newest ``keep``, never the last good one. Returns what was deleted."""
     folder = Path(run_dir) / CHECKPOINT_DIR
     try:
         last_good = (folder / LAST_GOOD).read_text().strip()
     except (OSError, ValueError):
         last_good = None
     deleted = []
+    for path in sorted(folder.glob(f"*{BAD_SUFFIX}")):
+        path.unlink(missing_ok=True)
+        sidecar(path).unlink(missing_ok=True)
+        deleted.append(path)
     for _, path in list_checkpoints(run_dir)[keep:]:
         if path.name == last_good:
             continue
@@ -286,25 +301,27 @@ def upgrade_config(config: dict[str, Any]) -> dict[str, Any]:
 
 def find_resume_point(
     source: Path, log: Callable[[str], None]
-) -> tuple[Path, dict[str, Any]] | None:
+) -> tuple[Path, dict[str, Any], list[Path]] | None:
     """The checkpoint to resume from: ``source`` itself when it is a file (it must be good),
     else the newest good one of the run directory ``source``, saying why any newer one was
-    passed over. ``None`` when the directory holds no checkpoint at all."""
+    passed over; and those passed over (damaged). ``None`` when the directory holds no
+    checkpoint at all."""
     source = Path(source)
     if source.is_file():
-        return source, load_checkpoint(source)
+        return source, load_checkpoint(source), []
     candidates = list_checkpoints(source)
     if not candidates:
         return None
-    problems = []
+    problems, bad = [], []
     for _, path in candidates:
         try:
             state = load_checkpoint(path)
         except CheckpointError as err:
             problems.append(str(err))
+            bad.append(path)
             log(f"resume: {err} Falling back to the previous checkpoint.")
             continue
-        return path, state
+        return path, state, bad
     raise CheckpointError(
         f"{source / CHECKPOINT_DIR}: no usable checkpoint ({'; '.join(problems)}); start a new "
         "run (another hydra.run.dir) or restore a checkpoint from a backup."

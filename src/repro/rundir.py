@@ -29,6 +29,7 @@ from repro.checkpoint import (
     find_resume_point,
     mismatches,
     remove_partial_writes,
+    set_aside,
 )
 from repro.errors import CheckpointError, ConfigError
 from repro.files import (
@@ -112,7 +113,7 @@ def _resume_point(cfg: DictConfig, run_dir: Path, identity: RunIdentity) -> Resu
             )
         log.info(f"resume=auto: no checkpoint in {run_dir} yet; starting at step 0")
         return None
-    path, state = found
+    path, state, damaged = found
     differ = mismatches(state, identity.config, identity.environment, identity.device)
     if differ and not t.resume_force:
         raise CheckpointError(
@@ -125,6 +126,9 @@ def _resume_point(cfg: DictConfig, run_dir: Path, identity: RunIdentity) -> Resu
         log.warning(f"resume_force: {d}")
     for leftover in remove_partial_writes(run_dir):  # only now: a refusal changes nothing
         log.info(f"resume: removed {leftover.name}, a write interrupted before its rename")
+    if source_run.resolve() == run_dir.resolve():  # this run's own damaged checkpoints
+        for bad in damaged:
+            log.warning(f"resume: set {bad.name} aside as {set_aside(bad).name} (damaged)")
     return ResumePoint(path, state, differ)
 
 
