@@ -403,5 +403,6 @@ def restore_training(training: Training, state: dict[str, Any], path: Path) -> N
         first_line = (str(err).strip().splitlines() or [""])[0][:200]
         raise CheckpointError(
             f"{path}: cannot be restored into this run ({type(err).__name__}: "
-            f"{first_line}); resume with the settings it was written with."
+            f"{first_line}); it holds another model's or optimizer's state than this config "
+            "builds: resume from an earlier checkpoint (trainer.resume=PATH) or start a new run."
         ) from None
