@@ -45,7 +45,7 @@ MUTATIONS = [
         "self.seed, self.start_step = seed, 0",
         [
             "tests/test_data.py::test_sampler_is_a_pure_function_of_the_step",
-            "tests/test_resume.py::test_sigkill_then_resume_gives_the_uninterrupted_bits[mid-epoch]",
+            "tests/test_resume.py::test_a_storm_of_kills_ends_on_the_uninterrupted_bits",
         ],
     ),
     Mutation(

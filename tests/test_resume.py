@@ -119,7 +119,7 @@ def assert_same_as(run: Run, reference: Run) -> None:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("scenario", ["epoch-boundary", "bf16"])  # mid-epoch: the storm below
 def test_sigkill_then_resume_gives_the_uninterrupted_bits(scenario, straight, tmp_path):
     overrides = SCENARIOS[scenario]
     every = int(next(o for o in overrides if "checkpoint_every" in o).split("=")[1])
@@ -262,17 +262,17 @@ def test_a_run_directory_without_room_for_two_checkpoints_is_refused_before_trai
 
 @pytest.mark.e2e
 def test_a_storm_of_kills_ends_on_the_uninterrupted_bits(straight, tmp_path):
-    """Six SIGKILLs on a seeded schedule, with the default loader (2 workers): three after a
-    random number of steps, three while a checkpoint is being written (its temporary file
-    exists: fsync is slowed to 0.3 s in these processes); each relaunch resumes with
-    trainer.resume=auto, and the last one runs to the end."""
+    """Five SIGKILLs on a seeded schedule, mid-epoch checkpoints, the default loader (2
+    workers): two after a random number of steps, three while a checkpoint is being written
+    (its temporary file exists: fsync is slowed to 0.3 s in these processes); each relaunch
+    resumes with trainer.resume=auto, and a last resume runs to the end."""
     import random
 
     overrides = [*SCENARIOS["mid-epoch"], "trainer.resume=auto"]
     run_dir = tmp_path / "run"
     env = user_env(PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "slow_fsync"), str(ROOT)]))
     schedule = random.Random(0)
-    kinds = ["steps", "writing"] * 3
+    kinds = ["steps", "writing"] * 2 + ["writing"]
     schedule.shuffle(kinds)
     mid_write = 0
     for kind in kinds:
