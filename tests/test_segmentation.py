@@ -8,7 +8,6 @@ in this process too where a process is not the point, else as a user does (train
 import json
 import signal
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -397,13 +396,9 @@ def test_a_seed_sweep_reports_the_dice_distribution(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
-    report = subprocess.run(
-        [sys.executable, "-m", "repro", "report", str(sweep)],
-        env=user_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    from test_sweep import repro
+
+    report = repro("report", str(sweep))
     assert report.returncode == 0, report.stderr
     dice = [json.loads(p.read_text())["val_dice"] for p in sorted(sweep.glob("*/summary.json"))]
     assert len(dice) == 3 and len(set(dice)) == 3  # the seed changes the result ...

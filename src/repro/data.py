@@ -188,6 +188,19 @@ def synthetic(
     return DataSplits(make("train", train_size), make("val", val_size), num_classes, augment)
 
 
+def keyed_split(
+    n: int, val_fraction: float, seed: int, purpose: str, path: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training, validation) indices of ``n`` files in sorted order: a permutation keyed by
+    ``(seed, purpose)`` holds out ``val_fraction`` (at least one), so the same folder gives
+    the same splits everywhere."""
+    order = keyed_permutation(n, seed, purpose)
+    n_val = max(1, round(val_fraction * n))
+    if n_val >= n:
+        raise DataError(f"data.path={path!r}: too few images to hold out data.val_fraction.")
+    return order[n_val:].sort().values, order[:n_val].sort().values
+
+
 def image_folder(
     path: str,
     image_size: int = 32,
@@ -227,11 +240,7 @@ def image_folder(
     for i, (f, _) in enumerate(files):
         images[i] = read_image(f, image_size)
     labels = torch.tensor([label for _, label in files])
-    order = keyed_permutation(len(files), seed, "image-folder-split")
-    n_val = max(1, round(val_fraction * len(files)))
-    val_idx, train_idx = order[:n_val].sort().values, order[n_val:].sort().values
-    if len(train_idx) == 0:
-        raise DataError(f"data.path={path!r}: too few images to hold out data.val_fraction.")
+    train_idx, val_idx = keyed_split(len(files), val_fraction, seed, "image-folder-split", path)
     return DataSplits(
         TensorImages(images[train_idx], labels[train_idx]),
         TensorImages(images[val_idx], labels[val_idx]),
@@ -394,11 +403,9 @@ def image_mask_folder(
     stems = sorted(images)
     if len(stems) < 2:
         raise DataError(f"data.path={path!r}: images/ holds {len(stems)} image(s); need 2 or more.")
-    order = keyed_permutation(len(stems), seed, "image-mask-folder-split")
-    n_val = max(1, round(val_fraction * len(stems)))
-    val_idx, train_idx = order[:n_val].sort().values, order[n_val:].sort().values
-    if len(train_idx) == 0:
-        raise DataError(f"data.path={path!r}: too few images to hold out data.val_fraction.")
+    train_idx, val_idx = keyed_split(
+        len(stems), val_fraction, seed, "image-mask-folder-split", path
+    )
 
     def split(idx: torch.Tensor) -> LazyImageMasks:
         chosen = [stems[i] for i in idx.tolist()]

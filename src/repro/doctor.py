@@ -318,24 +318,30 @@ def _culprits(probes: list[Probe]) -> list[Finding]:
     return findings
 
 
+def _run_alone(call: Call, autocast: Callable) -> None:
+    """Forward + backward of one recorded module call, alone: on copies of its recorded
+    inputs (non-leaf: a module may modify its input in place, ReLU(inplace=True)), with the
+    gradient its outputs received."""
+    inputs = [t.clone().requires_grad_(True) * 1 if rg else t.clone() for t, rg in call.inputs]
+    with autocast():
+        out = call.module(*inputs)
+    pairs = [
+        (o, g)
+        for o, g in zip(_tensors(out), call.grad_outputs, strict=False)
+        if g is not None and o.requires_grad
+    ]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
+
+
 def _op_errors(probe: Probe, autocast: Callable, notes: list[str]) -> list[Finding]:
     """Run each module alone on its recorded input under strict flags; catch the ops that
     have no deterministic kernel. Reported at the innermost module calling them."""
     raised: dict[str, tuple[Call, str]] = {}
     for key, call in probe.calls.items():
-        # non-leaf copies: a module may modify its input in place (ReLU(inplace=True))
-        inputs = [t.clone().requires_grad_(True) * 1 if rg else t.clone() for t, rg in call.inputs]
         state = {k: v.clone() for k, v in call.module.state_dict().items()}
         try:
-            with autocast():
-                out = call.module(*inputs)
-            pairs = [
-                (o, g)
-                for o, g in zip(_tensors(out), call.grad_outputs, strict=False)
-                if g is not None and o.requires_grad
-            ]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
+            _run_alone(call, autocast)
         except RuntimeError as err:
             if NONDETERMINISTIC in str(err):
                 raised[key] = (call, str(err).split(NONDETERMINISTIC)[0].strip())
@@ -604,20 +610,10 @@ def _once(fn: Callable[[], None], device: torch.device) -> float:
 
 
 def _module_pass(call: Call, autocast: Callable) -> Callable[[], None]:
-    """Forward + backward of one recorded module call, alone."""
-    inputs = [(t, rg) for t, rg in call.inputs]
+    """Forward + backward of one recorded module call, alone (:func:`_run_alone`)."""
 
     def run() -> None:
-        xs = [t.clone().requires_grad_(True) * 1 if rg else t.clone() for t, rg in inputs]
-        with autocast():
-            out = call.module(*xs)
-        pairs = [
-            (o, g)
-            for o, g in zip(_tensors(out), call.grad_outputs, strict=False)
-            if g is not None and o.requires_grad
-        ]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
+        _run_alone(call, autocast)
         call.module.zero_grad(set_to_none=True)
 
     return run
