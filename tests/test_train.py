@@ -1,12 +1,14 @@
 """End to end, as a user runs it: the same bits twice, whatever the loader; seeds matter."""
 
 import json
+import math
 import multiprocessing
 import os
 import re
 import subprocess
 
 import pytest
+import torch
 import yaml
 
 from conftest import (
@@ -244,17 +246,36 @@ def test_json_files_stay_valid_json_when_a_value_is_not_finite(tmp_path):
     assert loaded == {"loss": None, "dice": [None, 0.5], "n": 3}
 
 
-def test_a_loss_that_is_not_finite_stops_the_run_in_one_line(tmp_path):
-    """optim.lr=1e6 diverges within a few steps: the run stops at the flush that sees it,
-    naming the step and the last checkpoint before it, instead of training on NaN."""
+def test_a_loss_that_is_not_finite_stops_the_run_after_a_checkpoint_of_the_last_finite_step(
+    tmp_path,
+):
+    """optim.lr=1e6 diverges within a few steps. The run stops at the first step whose loss or
+    gradient norm is not finite, with nothing of that step applied and no periodic checkpoint
+    asked for: the checkpoint it writes holds, bit for bit, the weights the uninterrupted run
+    (trainer.on_nonfinite=continue) had one step before."""
+    from repro.checkpoint import load_checkpoint
     from repro.errors import Diverged
+    from repro.trace import state_dict_sha256
 
-    diverging = [*TINY, "optim.lr=1e6", "trainer.max_steps=40", "trainer.log_every=1"]
+    diverging = [*TINY, "optim.lr=1e6", "trainer.max_steps=40", "trainer.trace_every=1"]
     with pytest.raises(Diverged, match=r"^step (\d+): the loss is (nan|inf)") as err:
-        train_here(tmp_path / "stop", *diverging, "trainer.checkpoint_every=1")
-    step = int(str(err.value).split(":")[0].split()[1])
-    assert f"step-{step - 1:08d}.pt" in str(err.value) and "\n" not in str(err.value)
-    assert not (tmp_path / "stop" / "summary.json").exists()
+        train_here(tmp_path / "stop", *diverging, "trainer.checkpoint_every=0")
+    message = str(err.value)
+    bad = int(message.split(":")[0].split()[1])
+    kept = tmp_path / "stop" / "checkpoints" / f"step-{bad - 1:08d}.pt"
+    assert bad > 1 and f"last finite step's checkpoint is {kept}" in message
+    assert "\n" not in message and not (tmp_path / "stop" / "summary.json").exists()
+    state = load_checkpoint(kept)
+    assert state["step"] == bad - 1
+    assert all(bool(torch.isfinite(v).all()) for v in state["model"].values())
+    rows = (tmp_path / "stop" / "metrics.csv").read_text().splitlines()
+    assert rows[-1].startswith(f"{bad},")  # the step that diverged is logged, then the stop
+
     went_on = train_here(tmp_path / "on", *diverging, "trainer.on_nonfinite=continue")
     assert went_on.summary["steps"] == 40
     assert json.loads((tmp_path / "on" / "summary.json").read_text())["final_loss"] is None
+    records = [json.loads(line) for line in (tmp_path / "on" / "trace.jsonl").open()]
+    before = next(r for r in records if r["step"] == bad - 1)
+    assert state_dict_sha256(state["model"]) == before["weights_sha256"]
+    after = next(r for r in records if r["step"] == bad)
+    assert after["loss"] is None or not math.isfinite(after["loss"])

@@ -64,7 +64,7 @@ from repro.rundir import (
     prepare_run_dir,
     write_json,
 )
-from repro.step import train_step
+from repro.step import NotFinite, train_step
 from repro.trace import StepTracer, state_dict_sha256, state_digests
 
 log = logging.getLogger("repro")
@@ -145,6 +145,7 @@ def _train(
         loading(loader) as batches,  # the workers start here
     ):
         clock = Throughput(start, max_steps, training.batch_size, run.device)
+        stop, warned = t.on_nonfinite == "stop", False
         for step in range(start, max_steps):
             done = step + 1
             raw = [next(batches) for _ in range(count)]  # this rank's micro-batches
@@ -154,7 +155,15 @@ def _train(
             lr = training.schedule.get_last_lr()[0]
             micro = [normalize(*b) for b in raw]
             try:
-                loss, grad_norm = train_step(training, micro, step, first=first, reducer=reducer)
+                loss, grad_norm = train_step(
+                    training, micro, step, first=first, reducer=reducer, stop_if_not_finite=stop
+                )
+            except NotFinite as bad:  # nothing of this step applied: keep the last finite one
+                if world.main and step and checkpoints.last_saved != step:
+                    checkpoints.save(step, logs)
+                logs.step(done, bad.loss, bad.grad_norm, lr, record)
+                logs.flush(wait=True)
+                raise diverged(run, done, bad) from None
             except RuntimeError as err:  # strict mode and an op with no deterministic kernel?
                 explain_nondeterministic_op(err, training, *micro[0])  # one line if so
                 raise
@@ -166,8 +175,9 @@ def _train(
             if world.main and due(done, int(t.eval_every), max_steps):
                 metrics = evaluate(training, data.val, normalize, int(t.eval_batch_size))
             logs.step(done, loss, grad_norm, lr, record, metrics)
-            if logs.diverged and t.on_nonfinite == "stop":
-                raise diverged(run, logs.diverged, checkpoints.last_saved)
+            if logs.diverged and not warned:  # trainer.on_nonfinite=continue: say it once
+                log.warning(f"step {logs.diverged[0]}: the loss is not finite; training on")
+                warned = True
             if world.main and due(done, int(t.checkpoint_every), max_steps):
                 checkpoints.save(done, logs)
             if preemption.poll(done):
@@ -209,15 +219,17 @@ def take_run_dir(run: Run, lock: RunDirLock) -> tuple[ResumePoint | None, dict[s
     return prepare_run_dir(run.cfg, run.dir, run.identity)
 
 
-def diverged(run: Run, first: tuple[int, float, float], saved: int | None) -> Diverged:
-    """The one line for a loss or gradient norm that is not finite (seen at a log flush, so
-    up to ``trainer.log_every`` steps after it)."""
-    step, loss, norm = first
-    before = checkpoint_path(run.dir, saved) if saved and saved < step else None
-    again = f"; the last checkpoint before it is {before}" if before else ""
+def diverged(run: Run, done: int, bad: NotFinite) -> Diverged:
+    """The one line for step ``done``, whose loss or gradient norm is not finite: nothing of
+    it was applied, and the checkpoint of the step before it holds the last finite state."""
+    loss, norm = float(bad.loss), float(bad.grad_norm)
+    if done == 1:
+        kept = "at the first step, so there is nothing to keep"
+    else:
+        kept = f"the last finite step's checkpoint is {checkpoint_path(run.dir, done - 1)}"
     return Diverged(
-        f"step {step}: the loss is {loss} and the gradient norm {norm}: training diverged"
-        f"{again}. Lower optim.lr, or set trainer.on_nonfinite=continue to train on."
+        f"step {done}: the loss is {loss} and the gradient norm {norm}: training diverged; "
+        f"{kept}. Lower optim.lr, or set trainer.on_nonfinite=continue to train on."
     )
 
 

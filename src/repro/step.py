@@ -13,6 +13,14 @@ from repro.reduction import Reducer, add_partials, tree_reduce
 from repro.rng import seed_forward
 
 
+class NotFinite(Exception):
+    """The step's loss or gradient norm is inf or NaN; nothing of the step was applied."""
+
+    def __init__(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        super().__init__(f"loss {float(loss)}, gradient norm {float(grad_norm)}")
+        self.loss, self.grad_norm = loss, grad_norm
+
+
 def train_step(
     training: Training,
     micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -20,9 +28,16 @@ def train_step(
     *,
     first: int = 0,
     reducer: Reducer | None = None,
+    stop_if_not_finite: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over K micro-batches, then one schedule step. Returns (loss, grad
     norm) as device tensors (no host synchronisation).
+
+    With ``stop_if_not_finite`` a loss or gradient norm that is inf or NaN raises
+    :class:`NotFinite` before the optimizer step, so that the weights, optimizer and schedule
+    are still those of the last finite step. That costs one host synchronisation per step.
+    Under fp16 an infinite gradient is the loss scaler's business (it skips the step and
+    lowers the scale), so only the loss is checked then.
 
     Each micro-batch's loss is the task's summed loss / B, so the tree sum of the K gradients
     is the gradient of the mean loss over the global batch. Under torchrun this process holds
@@ -53,6 +68,13 @@ def train_step(
         p.grad = g
     scaler.unscale_(training.optimizer)  # a no-op unless fp16
     grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    if stop_if_not_finite:
+        finite = torch.isfinite(loss)
+        if not scaler.is_enabled():
+            finite &= torch.isfinite(grad_norm)
+        if not bool(finite):  # the host synchronisation
+            training.optimizer.zero_grad(set_to_none=True)
+            raise NotFinite(loss, grad_norm)
     scaler.step(training.optimizer)
     scaler.update()
     training.optimizer.zero_grad(set_to_none=True)
