@@ -359,6 +359,13 @@ def garble_checksum(path: Path) -> None:
     sidecar(path).write_bytes(b"\xff\xfe\x00 not text")
 
 
+def foreign_weights(path: Path) -> None:
+    """Another architecture's weights, under this run's config, with a valid checksum."""
+    state = torch.load(path, weights_only=True)
+    state["model"]["head.weight"] = torch.zeros(7, 3)
+    save_checkpoint(path, state)
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     "damage, message",
@@ -367,6 +374,7 @@ def garble_checksum(path: Path) -> None:
         (flip_bit, "checksum mismatch (truncated or corrupted)"),
         (drop_checksum, "no checksum file (the write was interrupted)"),
         (garble_checksum, "checksum file damaged"),
+        (foreign_weights, "cannot be restored into this run: its 'head.weight' is (7, 3)"),
     ],
 )
 def test_a_damaged_checkpoint_is_detected_and_resume_falls_back(
@@ -383,6 +391,19 @@ def test_a_damaged_checkpoint_is_detected_and_resume_falls_back(
     kept = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
     assert not [k for k in kept if k.endswith(".bad")]  # rotation deleted the damaged file first
     assert kept == [f"step-000000{s}.pt{x}" for s in (30, 40) for x in ("", ".sha256")]
+
+
+@pytest.mark.e2e
+def test_a_checkpoint_named_on_the_command_line_that_does_not_fit_is_refused(killed, tmp_path):
+    run_dir = shutil.copytree(killed, tmp_path / "run")
+    foreign_weights(checkpoint_path(run_dir, 20))
+    with pytest.raises(CheckpointError, match=r"step-00000020.pt: cannot be restored into") as e:
+        train_here(
+            tmp_path / "new",
+            *SCENARIOS["mid-epoch"],
+            f"trainer.resume={run_dir}/checkpoints/step-00000020.pt",
+        )
+    assert "\n" not in str(e.value) and not (tmp_path / "new" / "trace.jsonl").exists()
 
 
 class Payload:

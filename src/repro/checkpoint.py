@@ -300,15 +300,22 @@ def upgrade_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def find_resume_point(
-    source: Path, log: Callable[[str], None]
+    source: Path,
+    log: Callable[[str], None],
+    fits: Callable[[dict[str, Any]], str | None] = lambda state: None,
 ) -> tuple[Path, dict[str, Any], list[Path]] | None:
     """The checkpoint to resume from: ``source`` itself when it is a file (it must be good),
     else the newest good one of the run directory ``source``, saying why any newer one was
-    passed over; and those passed over (damaged). ``None`` when the directory holds no
+    passed over; and those passed over (damaged). Good means intact and, by ``fits`` (say
+    why not, or None), restorable into this run. ``None`` when the directory holds no
     checkpoint at all."""
     source = Path(source)
     if source.is_file():
-        return source, load_checkpoint(source), []
+        state = load_checkpoint(source)
+        problem = fits(state)
+        if problem:
+            raise CheckpointError(f"{source}: cannot be restored into this run: {problem}.")
+        return source, state, []
     candidates = list_checkpoints(source)
     if not candidates:
         return None
@@ -316,6 +323,9 @@ def find_resume_point(
     for _, path in candidates:
         try:
             state = load_checkpoint(path)
+            problem = fits(state)
+            if problem:
+                raise CheckpointError(f"{path}: cannot be restored into this run: {problem}.")
         except CheckpointError as err:
             problems.append(str(err))
             bad.append(path)
@@ -388,6 +398,33 @@ class Checkpointer:
         rotate(self.run_dir, self.keep)
         self.last_saved = step
         return path
+
+
+def cannot_restore(training: Training, state: dict[str, Any]) -> str | None:
+    """Why the checkpoint ``state`` cannot be restored into ``training`` (its model's tensor
+    names and shapes, its optimizer's parameter groups), or None. A checkpoint whose config
+    matches the run's but whose weights do not (a file copied in from another run) is
+    then passed over like a damaged one."""
+    saved, ours = state.get("model"), training.model.state_dict()
+    if not isinstance(saved, dict):
+        return "it holds no model state"
+    extra, missing = sorted(saved.keys() - ours.keys()), sorted(ours.keys() - saved.keys())
+    if extra or missing:
+        which = f"lacks {missing[0]!r}" if missing else f"has {extra[0]!r}, which it does not"
+        return f"its model state {which} (another architecture's weights)"
+    for name, tensor in ours.items():
+        theirs = saved[name]
+        shape = tuple(theirs.shape) if isinstance(theirs, torch.Tensor) else type(theirs).__name__
+        if shape != tuple(tensor.shape):
+            return f"its {name!r} is {shape} where this model's is {tuple(tensor.shape)}"
+    optimizer = state.get("optimizer")
+    groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
+    ours_groups = training.optimizer.state_dict()["param_groups"]
+    if not isinstance(groups, list) or [len(g.get("params", ())) for g in groups] != [
+        len(g["params"]) for g in ours_groups
+    ]:
+        return "its optimizer state is for other parameters"
+    return None
 
 
 def restore_training(training: Training, state: dict[str, Any], path: Path) -> None:

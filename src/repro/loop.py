@@ -37,6 +37,7 @@ from repro.build import Training, build_data, build_loader, build_training, reso
 from repro.checkpoint import (
     Checkpointer,
     RunIdentity,
+    cannot_restore,
     checkpoint_path,
     restore_training,
     sidecar,
@@ -109,20 +110,20 @@ def _train(
     cfg, t, world = run.cfg, run.cfg.trainer, run.world
     max_steps = int(t.max_steps)
     first, count = micro_batch_share(cfg, world)
+    report = apply_determinism(cfg, run.device)  # layers 0-2, before model and loader exist
+    # built before the run directory is touched: a config that cannot build changes nothing
+    data = build_data(cfg, world)
+    training = build_training(cfg, data, run.device)
     # rank 0 takes the directory's lock and looks at it (and refuses before writing
     # anything); every rank gets its answer and the checkpoint to resume from
-    resume, finished = on_main(functools.partial(take_run_dir, run, lock), world)
+    resume, finished = on_main(functools.partial(take_run_dir, run, lock, training), world)
     if finished is not None:
         log.info(f"{run.dir}: already complete ({max_steps} steps); nothing to resume")
         return finished
     if world.main and accepted is not None:
         accepted(run.dir)
     start = resume.step if resume else 0
-    report = apply_determinism(cfg, run.device)  # layers 0-2, before model and loader exist
     write_run_start(run, report, start)
-
-    data = build_data(cfg, world)
-    training = build_training(cfg, data, run.device)
     if world.main:  # writable, with room for two checkpoints, before the first step
         check_room(run.dir, sum(v.nbytes for v in training.model.state_dict().values()))
     resumes = restore(run, training, resume) if resume else []
@@ -213,10 +214,15 @@ class Run:
         return cls(cfg, Path(run_dir), world, device, identity, started)
 
 
-def take_run_dir(run: Run, lock: RunDirLock) -> tuple[ResumePoint | None, dict[str, Any] | None]:
-    """Rank 0: the run directory's lock, then :func:`repro.rundir.prepare_run_dir`."""
+def take_run_dir(
+    run: Run, lock: RunDirLock, training: Training
+) -> tuple[ResumePoint | None, dict[str, Any] | None]:
+    """Rank 0: the run directory's lock, then :func:`repro.rundir.prepare_run_dir` (which
+    passes over a checkpoint that cannot be restored into ``training``)."""
     lock.acquire()
-    return prepare_run_dir(run.cfg, run.dir, run.identity)
+    return prepare_run_dir(
+        run.cfg, run.dir, run.identity, functools.partial(cannot_restore, training)
+    )
 
 
 def diverged(run: Run, done: int, bad: NotFinite) -> Diverged:

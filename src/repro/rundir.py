@@ -16,6 +16,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,13 +74,18 @@ class ResumePoint:
 
 
 def prepare_run_dir(
-    cfg: DictConfig, run_dir: Path, identity: RunIdentity
+    cfg: DictConfig,
+    run_dir: Path,
+    identity: RunIdentity,
+    fits: Callable[[dict[str, Any]], str | None] = lambda state: None,
 ) -> tuple[ResumePoint | None, dict[str, Any] | None]:
     """(where to resume, or None to start at step 0; the summary of a run that is already
-    complete, or None). Raises a one-line error for what cannot be done."""
+    complete, or None). Raises a one-line error for what cannot be done. ``fits(state)``
+    says why a checkpoint cannot be restored into this run (None if it can): such a
+    checkpoint is passed over like a damaged one."""
     run_dir.mkdir(parents=True, exist_ok=True)
     refuse_what_is_not_a_run(run_dir, bool(cfg.trainer.allow_existing_dir))
-    found = _resume_point(cfg, run_dir, identity)
+    found = _resume_point(cfg, run_dir, identity, fits)
     max_steps = int(cfg.trainer.max_steps)
     if found is not None and found.step > max_steps:
         raise CheckpointError(
@@ -90,7 +96,12 @@ def prepare_run_dir(
     return found, None
 
 
-def _resume_point(cfg: DictConfig, run_dir: Path, identity: RunIdentity) -> ResumePoint | None:
+def _resume_point(
+    cfg: DictConfig,
+    run_dir: Path,
+    identity: RunIdentity,
+    fits: Callable[[dict[str, Any]], str | None],
+) -> ResumePoint | None:
     t = cfg.trainer
     if t.resume is None:
         refuse_to_overwrite(run_dir)
@@ -101,7 +112,12 @@ def _resume_point(cfg: DictConfig, run_dir: Path, identity: RunIdentity) -> Resu
         source_run = source_run.parent
     if source_run.resolve() != run_dir.resolve():
         refuse_to_overwrite(run_dir)  # resuming another run writes here: it must be new
-    found = find_resume_point(source, log.warning)
+
+    mine = (identity.config, identity.environment, identity.device)
+    # under other settings the weights may differ by design: that has its own message below
+    found = find_resume_point(
+        source, log.warning, lambda state: None if mismatches(state, *mine) else fits(state)
+    )
     if found is None:
         if str(t.resume) != "auto":
             raise CheckpointError(f"{source}: holds no checkpoints/ to resume from.")
