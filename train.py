@@ -32,8 +32,12 @@ def main(cfg: DictConfig) -> float:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
 
+    taken = False  # is the run directory this launch's? (a refused one changes no byte)
+
     def accepted(run_dir: Path) -> None:
         """The run directory is this run's: record the launch, as Hydra would have."""
+        nonlocal taken
+        taken = True
         (run_dir / ERROR_FILE).unlink(missing_ok=True)  # from an earlier attempt of this job
         launch = run_dir / LAUNCH_DIR
         launch.mkdir(exist_ok=True)
@@ -68,10 +72,15 @@ def main(cfg: DictConfig) -> float:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)
+        # an error before the directory was taken (a refusal, a config that cannot build)
+        # writes there only into a directory Hydra has just created
+        new = run_dir.is_dir() and not any(run_dir.iterdir())
         if hydra_cfg.mode != RunMode.MULTIRUN:
             if isinstance(err, ReproError):
                 exit_with(err)
-            # one line here; the traceback goes into the run's log, where it is kept
+            if not (taken or new):
+                traceback.print_exc()
+                raise SystemExit(1) from None
             log_file = run_dir / LOG_FILE
             with open(log_file, "a") as f:
                 f.write(traceback.format_exc())
@@ -81,15 +90,16 @@ def main(cfg: DictConfig) -> float:
                 file=sys.stderr,
             )
             raise SystemExit(1) from None
-        # In a sweep, a failing job must not take the others with it: record why it failed
-        # (repro report lists it), then let Hydra mark the job failed and go on.
-        record = {
-            "type": type(err).__name__,
-            "message": str(err),
-            "traceback": traceback.format_exc(),
-        }
-        text = json.dumps(record, indent=2) + "\n"
-        atomic_write(run_dir / ERROR_FILE, lambda f: f.write(text.encode()))
+        if new:  # a sweep's job: record the launch, so that its report lists the failure
+            accepted(run_dir)
+        if taken:
+            record = {
+                "type": type(err).__name__,
+                "message": str(err),
+                "traceback": traceback.format_exc(),
+            }
+            text = json.dumps(record, indent=2) + "\n"
+            atomic_write(run_dir / ERROR_FILE, lambda f: f.write(text.encode()))
         print(f"error: job {hydra_cfg.job.num} ({run_dir.name}): {err}", file=sys.stderr)
         raise
     shutdown()  # leave the process group (torchrun)

@@ -19,7 +19,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, Run, run_train, train_cmd, train_here, user_env, with_tests_on_path
+from conftest import (
+    ROOT,
+    SMALL_DATA,
+    Run,
+    run_train,
+    train_cmd,
+    train_here,
+    user_env,
+    with_tests_on_path,
+)
 from repro.checkpoint import checkpoint_path, save_checkpoint, sidecar
 from repro.compare import compare_dirs
 from repro.errors import (
@@ -261,14 +270,17 @@ def test_a_run_directory_without_room_for_two_checkpoints_is_refused_before_trai
 
 
 @pytest.mark.e2e
-def test_a_storm_of_kills_ends_on_the_uninterrupted_bits(straight, tmp_path):
-    """Five SIGKILLs on a seeded schedule, mid-epoch checkpoints, the default loader (2
-    workers): two after a random number of steps, three while a checkpoint is being written
+@pytest.mark.parametrize("loader", ["multi", "single"])
+def test_a_storm_of_kills_ends_on_the_uninterrupted_bits(loader, straight, tmp_path):
+    """Five SIGKILLs on a seeded schedule, mid-epoch checkpoints, with 2 loader workers and
+    with none: two after a random number of steps, three while a checkpoint is being written
     (its temporary file exists: fsync is slowed to 0.3 s in these processes); each relaunch
-    resumes with trainer.resume=auto, and a last resume runs to the end."""
+    resumes with trainer.resume=auto, and a last resume runs to the end. The uninterrupted
+    run it must match used 2 workers."""
     import random
 
-    overrides = [*SCENARIOS["mid-epoch"], "trainer.resume=auto"]
+    scenario = [*SCENARIOS["mid-epoch"], f"loader={loader}"]
+    overrides = [*scenario, "trainer.resume=auto"]
     run_dir = tmp_path / "run"
     env = user_env(PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "slow_fsync"), str(ROOT)]))
     schedule = random.Random(0)
@@ -295,7 +307,7 @@ def test_a_storm_of_kills_ends_on_the_uninterrupted_bits(straight, tmp_path):
         proc.kill()
         proc.wait()
     assert mid_write >= 2, "the storm never caught a checkpoint being written"
-    assert_same_as(resume(run_dir, SCENARIOS["mid-epoch"]), straight("mid-epoch"))
+    assert_same_as(resume(run_dir, scenario), straight("mid-epoch"))
 
 
 @pytest.mark.e2e
@@ -520,7 +532,7 @@ def test_keeps_the_newest_checkpoints_and_never_overwrites_a_run(straight):
 def test_resume_demo_script_prints_two_equal_digests(tmp_path):
     out = subprocess.run(
         # train.py overrides after --: smaller data than the default run's
-        ["bash", str(ROOT / "scripts" / "resume_demo.sh"), "--", "data.val_size=128"],
+        ["bash", str(ROOT / "scripts" / "resume_demo.sh"), "--", *SMALL_DATA, "model.width=8"],
         env=user_env(
             STEPS="20", KILL_AT="13", EVERY="5", PY=sys.executable, DEMO_DIR=str(tmp_path)
         ),

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, user_env
+from conftest import ROOT, SMALL_DATA, user_env
 
 
 def verify(tmp_path, *args, env=None):
@@ -20,7 +20,7 @@ def verify(tmp_path, *args, env=None):
 
 @pytest.mark.e2e
 def test_verify_passes_for_the_default_config(tmp_path):
-    out = verify(tmp_path / "v", "--steps", "10")
+    out = verify(tmp_path / "v", "--steps", "10", "--", *SMALL_DATA, "model.width=8")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "PASS  repeat (run a vs run b)" in out.stdout
     assert "PASS  loader: 0 vs 2 workers" in out.stdout
@@ -38,6 +38,7 @@ def test_verify_fails_for_a_model_that_draws_unseeded_randomness(tmp_path):
         "4",
         "--",
         "model._target_=nondeterministic_models.JitterNet",
+        *SMALL_DATA,
         env=env,
     )
     assert out.returncode == 1, out.stdout + out.stderr
