@@ -92,7 +92,100 @@ def timed_run(overrides: list[str], steps: int, warmup: int, where: Path) -> dic
     return {
         "images_per_second": images / (marks[steps] - marks[warmup]),
         "weights": summary["weights_sha256"],
+        "warmup_seconds": summary.get("warmup_seconds"),
     }
+
+
+# --reference: the template in strict mode (bf16) against the hand-written loop
+# (scripts/reference_loop.py), compiled and not; each cell (name, overrides or None for the
+# reference, compiled)
+REFERENCE_CELLS = [
+    ("template multi", ["loader=multi"], False),
+    ("template device", ["loader=device"], False),
+    ("template device channels_last", ["loader=device", "trainer.channels_last=true"], False),
+    (
+        "template device channels_last compile",
+        ["loader=device", "trainer.channels_last=true", "trainer.compile=default"],
+        False,
+    ),
+    (
+        "template device channels_last compile, on_nonfinite=continue",
+        [
+            "loader=device",
+            "trainer.channels_last=true",
+            "trainer.compile=default",
+            "trainer.on_nonfinite=continue",
+        ],
+        False,
+    ),
+    ("reference eager", None, False),
+    ("reference compile", None, True),
+]
+
+
+def reference_comparison(args: argparse.Namespace, tmp: Path) -> list[dict]:
+    """Every cell of REFERENCE_CELLS for each model, bf16, strict, rotated together."""
+    from reference_loop import reference_run
+
+    rows = []
+    n = 0
+    for model in args.models:
+        base = [*MODELS[model], "amp=on", "determinism=strict"]
+        res: dict[str, list[dict]] = {name: [] for name, _, _ in REFERENCE_CELLS}
+        for i in range(args.repeats):
+            shift = i * len(REFERENCE_CELLS) // args.repeats
+            for name, overrides, compiled in REFERENCE_CELLS[shift:] + REFERENCE_CELLS[:shift]:
+                n += 1
+                if overrides is None:
+                    t0 = time.perf_counter()
+                    r = reference_run(base, args.steps, args.warmup, compiled)
+                    r["warmup_seconds"] = None
+                    r["run_seconds"] = time.perf_counter() - t0
+                else:
+                    r = timed_run([*base, *overrides], args.steps, args.warmup, tmp / f"r{n}")
+                res[name].append(r)
+                print(
+                    f"{model:8} {name:62} {i + 1}/{args.repeats}: "
+                    f"{r['images_per_second']:9.0f} img/s  {r['weights'][:12]}",
+                    flush=True,
+                )
+        medians = {k: statistics.median(r["images_per_second"] for r in v) for k, v in res.items()}
+        for name, _, _ in REFERENCE_CELLS:
+            ips = [r["images_per_second"] for r in res[name]]
+            warm = [r["warmup_seconds"] for r in res[name] if r.get("warmup_seconds")]
+            rows.append(
+                {
+                    "model": model,
+                    "cell": name,
+                    "images_per_second": ips,
+                    "median": medians[name],
+                    "over_reference_compile": medians[name] / medians["reference compile"],
+                    "over_reference_eager": medians[name] / medians["reference eager"],
+                    "distinct_weights": len({r["weights"] for r in res[name]}),
+                    "weights": sorted({r["weights"] for r in res[name]}),
+                    "warmup_seconds": warm,
+                }
+            )
+    return rows
+
+
+def reference_table(rows: list[dict], flops: dict[str, float]) -> list[str]:
+    lines = [
+        "| model | run | img/s median (min–max) | / reference compile | / reference eager "
+        "| digests | TFLOP/s (% of bf16 ceiling) | warm-up s (compilation), first–last |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ips, tflops = r["images_per_second"], r["median"] * flops[r["model"]] / 1e12
+        warm = r["warmup_seconds"]
+        warm_text = f"{warm[0]:.1f}–{warm[-1]:.1f}" if warm else "–"
+        lines.append(
+            f"| {r['model']} | {r['cell']} | {r['median']:.0f} ({min(ips):.0f}–{max(ips):.0f}) "
+            f"| {r['over_reference_compile']:.3f} | {r['over_reference_eager']:.3f} "
+            f"| {r['distinct_weights']} | {tflops:.1f} ({100 * tflops / H200_BF16_TFLOPS:.1f}%) "
+            f"| {warm_text} |"
+        )
+    return lines
 
 
 def lightning_run(overrides: list[str], steps: int, warmup: int) -> dict:
@@ -188,7 +281,17 @@ def main() -> int:
         action="store_true",
         help="also run the Lightning peer (scripts/lightning_peer.py; needs lightning)",
     )
+    p.add_argument(
+        "--reference",
+        action="store_true",
+        help="instead: the template (strict, bf16) against the hand-written loop "
+        "(scripts/reference_loop.py), eager and compiled (CUDA only)",
+    )
     args = p.parse_args()
+    if args.reference:
+        if not torch.cuda.is_available():
+            p.error("--reference needs a CUDA GPU (the reference loop keeps its data there)")
+        return main_reference(args)
     if not 0 < args.warmup < args.steps:
         p.error("need 0 < --warmup < --steps")
     if args.lightning and not (
@@ -325,6 +428,51 @@ def main() -> int:
     text = "\n".join(lines) + "\n"
     kind = f"benchmark-{args.label}" if args.label else "benchmark"
     write_results(args.out, kind, date, env, text, record)
+    return 0
+
+
+def main_reference(args: argparse.Namespace) -> int:
+    logging.getLogger("repro").setLevel(logging.WARNING)
+    pin_process_environment(compose([], ROOT / "conf").determinism)
+    with tempfile.TemporaryDirectory() as tmp:
+        timed_run(MODELS[args.models[0]], args.warmup + 5, args.warmup, Path(tmp) / "warm")
+        rows = reference_comparison(args, Path(tmp))
+    from repro.fingerprint import environment
+
+    flops = {model: flops_per_image(MODELS[model]) for model in args.models}
+    env, command, date = environment(), command_line(), today()
+    lines = [
+        f"# One GPU: the template's strict mode against a hand-written loop, {date}",
+        "",
+        f"`{command}`",
+        "",
+        f"{environment_line(env)}. bf16, strict settings throughout; {args.steps} steps per "
+        f"run, images/s over the last {args.steps - args.warmup}; {args.repeats} repeats per "
+        "cell, every cell of a model in turn, one process. The reference is "
+        "`scripts/reference_loop.py`: the same model class, optimizer, schedule, batch and "
+        "micro-batches, data on the GPU, channels_last, deterministic algorithms, a random "
+        "crop and flip per sample; no trace, checkpoint, keyed randomness or check for a loss "
+        "that is not finite. Warm-up: the template's first steps until steady "
+        "(`warmup_seconds` in summary.json), compilation included.",
+        "",
+        *reference_table(rows, flops),
+        "",
+        "FLOPs per training image (forward + backward): "
+        + ", ".join(f"{m} {f / 1e9:.3f} GFLOP" for m, f in flops.items())
+        + f". Ceiling: the H200's measured bf16 matmul rate, {H200_BF16_TFLOPS:.0f} TFLOP/s.",
+    ]
+    record = {
+        "date": date,
+        "command": command,
+        "environment": env,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "rows": rows,
+        "flops_per_image": flops,
+    }
+    kind = f"reference-{args.label}" if args.label else "reference"
+    write_results(args.out, kind, date, env, "\n".join(lines) + "\n", record)
     return 0
 
 

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from repro.build import build_data, build_model, build_optimizer, build_schedule, build_task
 from repro.config import compose
-from repro.data import IGNORE, DeviceNormalizer, crop_flip_batch, crop_flip_params
+from repro.data import CROP_PAD, IGNORE, DeviceNormalizer, crop_flip_batch
 from repro.trace import state_dict_sha256
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +56,9 @@ class Augmented(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         image, target = (t[0] for t in self.split.fetch(torch.tensor([index])))
         if self.augment:
-            params = torch.tensor([crop_flip_params(None)])
+            # the global RNG, as a typical LightningDataModule's transforms draw
+            offsets = torch.randint(0, 2 * CROP_PAD + 1, (2,)).tolist()
+            params = torch.tensor([[*offsets, int(torch.randint(0, 2, ()))]])
             image = crop_flip_batch(image[None], params)[0]
             if target.dim() == 2:
                 target = crop_flip_batch(target[None, None], params, fill=IGNORE)[0, 0]

@@ -65,6 +65,10 @@ class Run:
     def report(self) -> dict:
         return json.loads((self.dir / "determinism.json").read_text())
 
+    @property
+    def env(self) -> dict:
+        return json.loads((self.dir / "env.json").read_text())
+
     def entry(self, name: str) -> dict:
         return next(e for e in self.report["entries"] if e["name"] == name)
 

@@ -158,3 +158,21 @@ def test_two_gpus_under_nccl_give_the_one_gpu_bits(tmp_path, model):
     report = json.loads((two.dir / "determinism.json").read_text())
     pinned = {e["name"]: e["value"] for e in report["entries"]}
     assert pinned["NCCL_NVLS_ENABLE"] == "0" and pinned["NCCL_ALGO"] == "Ring"
+
+
+def test_compiled_strict_on_cuda_repeats_with_any_loader(train_run):
+    """trainer.compile=default with channels_last, bf16: one digest over repeats and loaders,
+    Inductor's deterministic mode recorded (and read back into env.json)."""
+    args = [*SHORT, "device=cuda", "amp=on", "trainer.compile=default"]
+    args.append("trainer.channels_last=true")
+    a = train_run("a", *args)
+    b = train_run("b", *args)
+    multi = train_run("multi", *args, "loader=multi")
+    on_device = train_run("on_device", *args, "loader=device")
+    runs = (a, b, multi, on_device)
+    assert len({r.summary["weights_sha256"] for r in runs}) == 1
+    assert a.losses == b.losses == multi.losses == on_device.losses
+    assert a.entry("inductor deterministic")["value"] is True
+    assert a.env["flags"]["inductor_deterministic"] is True
+    eager = train_run("eager", *SHORT, "device=cuda", "amp=on", "trainer.channels_last=true")
+    assert eager.summary["weights_sha256"] != a.summary["weights_sha256"]  # other kernels

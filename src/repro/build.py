@@ -94,7 +94,10 @@ def build_data(cfg: DictConfig, world: World | None = None) -> DataSplits:
 
 def build_model(cfg: DictConfig, data: DataSplits, device: torch.device) -> nn.Module:
     """Instantiate ``cfg.model`` on the CPU with the generator keyed by ``(seed, "init")``, so
-    the initial weights are the same on every device, then move it."""
+    the initial weights are the same on every device, then move it (``channels_last``:
+    in that memory format) and, with ``trainer.compile``, compile it: with static shapes,
+    so that a micro-batch's kernels do not depend on which shapes were seen before (an
+    evaluation's, a resume's)."""
     with torch.random.fork_rng(devices=[]):  # CPU generator only; restored afterwards
         torch.default_generator.manual_seed(derive_seed(int(cfg.seed), "init"))
         model = instantiate_target(
@@ -105,7 +108,15 @@ def build_model(cfg: DictConfig, data: DataSplits, device: torch.device) -> nn.M
             f"model._target_={cfg.model._target_!r} returned a {type(model).__name__}, not a "
             "torch.nn.Module; point it at a model class or a function that returns one."
         )
-    return model.to(device)
+    t = cfg.trainer
+    model = model.to(device, memory_format=_memory_format(bool(t.channels_last)))
+    if str(t.compile) != "off":  # in place: the state dict keeps its keys
+        model.compile(mode=None if t.compile == "default" else str(t.compile), dynamic=False)
+    return model
+
+
+def _memory_format(channels_last: bool) -> torch.memory_format:
+    return torch.channels_last if channels_last else torch.preserve_format
 
 
 def build_task(cfg: DictConfig, data: DataSplits) -> Task:

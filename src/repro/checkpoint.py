@@ -220,9 +220,15 @@ RELEVANT_CONFIG = (
     "trainer.micro_batch_size",
     "dist.reduction",
     "trainer.max_steps",
+    "trainer.compile",  # compiled kernels are other kernels
+    "trainer.channels_last",  # so are those of another memory format
 )
 # Keys that checkpoints written before they existed lack, and what their absence meant then.
-ABSENT_MEANS = {"dist.reduction": "ordered"}
+ABSENT_MEANS = {
+    "dist.reduction": "ordered",
+    "trainer.compile": "off",
+    "trainer.channels_last": False,
+}
 # Relevant-looking keys that cannot change the bits of a resumed run: the NCCL settings only
 # matter to dist.reduction=all_reduce, which is compared itself; filling new tensors with
 # NaN only changes memory that no op reads (strict mode leaves it off: it costs a kernel a

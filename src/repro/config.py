@@ -95,6 +95,9 @@ class AmpConfig:
     dtype: AmpDtype = AmpDtype.bfloat16
 
 
+COMPILE_MODES = ("off", "default", "max-autotune-no-cudagraphs")
+
+
 @dataclass
 class TrainerConfig:
     max_steps: int = 300
@@ -111,6 +114,8 @@ class TrainerConfig:
     resume_force: bool = False  # resume even when config/environment differ (recorded)
     allow_existing_dir: bool = False  # a non-empty directory that is no run (never overwritten)
     on_nonfinite: str = "stop"  # stop | continue: a loss or gradient norm that is inf or nan
+    compile: str = "off"  # off | default | max-autotune-no-cudagraphs: torch.compile the model
+    channels_last: bool = False  # model and inputs in channels_last memory format
     trace: bool = True  # write trace.jsonl (repro compare reads it)
     trace_every: int = 50  # digest every state-dict tensor every N steps (0: first/last only)
 
@@ -265,6 +270,14 @@ def _validate_trainer(t: DictConfig) -> None:
         )
     if t.on_nonfinite not in ("stop", "continue"):
         _fail("trainer.on_nonfinite", t.on_nonfinite, "stop or continue")
+    if t.compile in ("reduce-overhead", "max-autotune"):
+        raise ConfigError(
+            f"config error: trainer.compile={t.compile} records CUDA graphs, which replay into the same "
+            "output memory while a step still holds the earlier micro-batches' results; use "
+            "default or max-autotune-no-cudagraphs."
+        )
+    if t.compile not in COMPILE_MODES:
+        _fail("trainer.compile", t.compile, " or ".join(COMPILE_MODES))
     if t.trace_every < 0:
         _fail("trainer.trace_every", t.trace_every, "an integer >= 0 (0: initial and final only)")
     if t.batch_size % t.micro_batch_size != 0:

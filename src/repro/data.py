@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from repro.errors import DataError, ReproError
-from repro.rng import keyed_generator, keyed_permutation, worker_init_fn
+from repro.rng import keyed_draws, keyed_generator, keyed_permutation, worker_init_fn
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 
@@ -529,28 +529,6 @@ def cifar10(root: str = "data/cifar10", download: bool = True, augment: bool = T
 CROP_PAD = 4
 
 
-def crop_flip_params(generator: torch.Generator, pad: int = CROP_PAD) -> tuple[int, int, bool]:
-    """The draws of one sample's augmentation: crop offsets (dy, dx) and the flip. One
-    definition for :func:`random_crop_flip` (one image) and :func:`keyed_crop_flip_params`
-    (a batch), so both crop alike."""
-    dy, dx = torch.randint(0, 2 * pad + 1, (2,), generator=generator).tolist()
-    flip = bool(torch.randint(0, 2, (1,), generator=generator))
-    return dy, dx, flip
-
-
-def random_crop_flip(
-    image: torch.Tensor, generator: torch.Generator, pad: int = CROP_PAD
-) -> torch.Tensor:
-    """Pad with zeros, crop back to size at a random offset, flip horizontally half the time."""
-    c, h, w = image.shape
-    dy, dx, flip = crop_flip_params(generator, pad)
-    padded = F.pad(image, (pad, pad, pad, pad))
-    out = padded[:, dy : dy + h, dx : dx + w]
-    if flip:
-        out = out.flip(-1)
-    return out.contiguous()
-
-
 def crop_flip_batch(
     images: torch.Tensor, params: torch.Tensor, pad: int = CROP_PAD, fill: int = 0
 ) -> torch.Tensor:
@@ -569,13 +547,16 @@ def crop_flip_batch(
     return padded.gather(2, source.expand(n, c, h * w)).view(n, c, h, w)
 
 
-def keyed_crop_flip_params(seed: int, keys: list[tuple[int, int]]) -> torch.Tensor:
-    """Each key's ``(dy, dx, flip)`` as an N×3 int64 tensor: :func:`crop_flip_params` from the
-    generator keyed by ``(seed, "augment", epoch, index)``."""
-    return torch.tensor(
-        [crop_flip_params(keyed_generator(seed, "augment", epoch, i)) for epoch, i in keys],
-        dtype=torch.int64,
-    ).view(len(keys), 3)
+def keyed_crop_flip_params(
+    seed: int, epochs: torch.Tensor, index: torch.Tensor, pad: int = CROP_PAD
+) -> torch.Tensor:
+    """Each sample's ``(dy, dx, flip)`` as an N×3 int64 tensor on ``index``'s device: crop
+    offsets in ``[0, 2·pad]`` and the flip, from the draws keyed by ``(seed, "augment",
+    epoch, index)`` (:func:`repro.rng.keyed_draws`: a few tensor ops for the whole batch)."""
+    draws = keyed_draws(seed, "augment", epochs, index, draws=3)
+    return torch.stack(
+        [draws[:, 0] % (2 * pad + 1), draws[:, 1] % (2 * pad + 1), draws[:, 2] & 1], 1
+    )
 
 
 class KeyedBatches(Dataset):
@@ -595,11 +576,15 @@ class KeyedBatches(Dataset):
         return len(self.split)
 
     def __getitem__(self, keys: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        device = getattr(self.split, "device", torch.device("cpu"))
-        index = torch.tensor([i for _, i in keys], dtype=torch.int64).to(device, non_blocking=True)
+        epochs, index = torch.tensor(keys, dtype=torch.int64).view(-1, 2).unbind(1)
+        return self.fetch(epochs, index)
+
+    def fetch(self, epochs: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The samples ``index`` (int64, on the split's device) in ``epochs`` (the same
+        length, or one element), cropped and flipped."""
         images, targets = self.split.fetch(index)
         if self.augment:
-            params = keyed_crop_flip_params(self.seed, keys).to(device, non_blocking=True)
+            params = keyed_crop_flip_params(self.seed, epochs, index)
             images = crop_flip_batch(images, params)
             if targets.dim() == 3:  # per-pixel masks move with their images
                 targets = crop_flip_batch(targets[:, None], params, fill=IGNORE)[:, 0]
@@ -665,19 +650,38 @@ class KeyedBatchSampler:
                 yield keys[k * self.micro : (k + 1) * self.micro]
             step += 1
 
+    def index_tensors(self, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The same micro-batches as ``iter(self)``, as ``(epoch, indices)`` int64 tensors
+        on ``device`` (a slice of the epoch's permutation, copied there once an epoch)."""
+        step, held = self.start_step, (-1, None, None)
+        while True:
+            epoch, pos = divmod(step, self.steps_per_epoch)
+            if held[0] != epoch:
+                perm = keyed_permutation(self.n, self.seed, "order", epoch).to(device)
+                held = (epoch, perm, torch.tensor([epoch], dtype=torch.int64, device=device))
+            _, perm, epoch_tensor = held
+            start = pos * self.batch_size
+            for k in range(self.first, self.first + self.count):
+                a = start + k * self.micro
+                yield epoch_tensor, perm[a : a + self.micro]
+            step += 1
+
 
 class DeviceBatches:
-    """``loader.on_device=true``: the training split lives on the device and each
-    micro-batch is gathered and augmented there (:class:`KeyedBatches` over the device
-    copy), with no worker processes: the same keys, draws and bytes as the DataLoader path,
-    so the choice of loader cannot change the bits. The draws are made on the CPU (a few µs
-    a sample); the pixels never leave the device."""
+    """``loader=device``: the training split lives on the device and each micro-batch is
+    gathered and augmented there (:meth:`KeyedBatches.fetch` over the device copy), with no
+    worker processes: the same keys, draws and bytes as the DataLoader path, so the choice
+    of loader cannot change the bits. The epoch's permutation goes to the device once; a
+    micro-batch is then a slice of it, its draws a few integer ops and its crop one gather:
+    no host work per sample and no host-to-device copy per step."""
 
     def __init__(self, batches: KeyedBatches, sampler: KeyedBatchSampler) -> None:
         self.batches, self.sampler = batches, sampler
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return (self.batches[keys] for keys in self.sampler)
+        device = getattr(self.batches.split, "device", torch.device("cpu"))
+        for epoch, index in self.sampler.index_tensors(device):
+            yield self.batches.fetch(epoch, index)
 
 
 def _init_worker(worker_id: int) -> None:
@@ -774,11 +778,15 @@ def _one_line_errors(batches: Iterator) -> Iterator:
 
 
 class DeviceNormalizer:
-    """uint8 images -> normalised float32 on the device."""
+    """uint8 images -> normalised float32 on the device (in ``channels_last`` memory format
+    if asked: the model's)."""
 
-    def __init__(self, splits: DataSplits, device: torch.device) -> None:
+    def __init__(
+        self, splits: DataSplits, device: torch.device, channels_last: bool = False
+    ) -> None:
         shape = (1, -1, 1, 1)
         self.device = device
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.mean = torch.tensor(splits.mean, device=device).view(shape)
         self.std = torch.tensor(splits.std, device=device).view(shape)
 
@@ -791,5 +799,6 @@ class DeviceNormalizer:
             .div_(255)
             .sub_(self.mean)
             .div_(self.std)
+            .contiguous(memory_format=self.memory_format)
         )
         return x, labels.to(self.device, non_blocking=True).long()  # uint8 masks too

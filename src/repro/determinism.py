@@ -18,6 +18,7 @@ The report says what was set, what was read back and found in effect, and what i
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from collections.abc import Iterator
@@ -202,7 +203,9 @@ def _layer1_cpu(report: DeterminismReport, cfg: DictConfig) -> None:
     report.add(name, "cpu count", os.cpu_count())
 
 
-def _layer2_gpu(report: DeterminismReport, dcfg: DictConfig, device: torch.device) -> None:
+def _layer2_gpu(
+    report: DeterminismReport, dcfg: DictConfig, device: torch.device, compiling: bool
+) -> None:
     name = "2 GPU kernels"
     torch.backends.cudnn.deterministic = bool(dcfg.cudnn_deterministic)
     torch.backends.cudnn.benchmark = bool(dcfg.cudnn_benchmark)
@@ -243,6 +246,17 @@ def _layer2_gpu(report: DeterminismReport, dcfg: DictConfig, device: torch.devic
         name, "cuda.matmul.allow_tf32", torch.backends.cuda.matmul.allow_tf32, bool(dcfg.allow_tf32)
     )
     report.add(name, "cudnn.allow_tf32", torch.backends.cudnn.allow_tf32, bool(dcfg.allow_tf32))
+    if compiling:  # torch.compile: Inductor's kernels are chosen, and tuned, by it
+        inductor = importlib.import_module("torch._inductor.config")
+        if hasattr(inductor, "deterministic"):
+            inductor.deterministic = bool(dcfg.deterministic_algorithms)
+        report.add(
+            name,
+            "inductor deterministic",
+            getattr(inductor, "deterministic", "not in this torch"),
+            bool(dcfg.deterministic_algorithms),
+            note="no benchmarking on the device that could choose other numerics",
+        )
     report.add(
         name,
         "float32_matmul_precision",
@@ -295,6 +309,22 @@ def _layer4_ops(report: DeterminismReport, cfg: DictConfig, device: torch.device
         "keyed",
         note="generator re-seeded (seed, 'forward', step, micro_batch)",
     )
+    t = cfg.trainer
+    compiled = str(t.compile) != "off"
+    report.add(
+        name,
+        "torch.compile",
+        str(t.compile),
+        note="static shapes; compiled and eager kernels differ in the last bits"
+        if compiled
+        else "",
+    )
+    report.add(
+        name,
+        "memory format",
+        "channels_last" if t.channels_last else "contiguous",
+        note="model and inputs; the two formats use other kernels" if t.channels_last else "",
+    )
     k = int(cfg.trainer.batch_size) // int(cfg.trainer.micro_batch_size)
     report.add(
         name, "micro-batches per step", k, note="gradients summed by a fixed binary tree over k"
@@ -320,7 +350,7 @@ def apply_determinism(cfg: DictConfig, device: torch.device) -> DeterminismRepor
     report = DeterminismReport(mode=str(dcfg.mode), device=str(device))
     _layer0_process(report, dcfg, device)
     _layer1_cpu(report, cfg)
-    _layer2_gpu(report, dcfg, device)
+    _layer2_gpu(report, dcfg, device, compiling=str(cfg.trainer.compile) != "off")
     _layer3_data(report, cfg)
     _layer4_ops(report, cfg, device)
     if str(dcfg.mode) == "strict" and report.failures:

@@ -129,7 +129,7 @@ def _train(
     resumes = restore(run, training, resume) if resume else []
     loader = build_loader(cfg, data, run.device, start_step=start, shard=(first, count))
     steps_per_epoch = loader.sampler.steps_per_epoch
-    normalize = DeviceNormalizer(data, run.device)
+    normalize = DeviceNormalizer(data, run.device, bool(t.channels_last))
     reducer = Reducer(world, str(cfg.dist.reduction)) if world.distributed else None
     describe(run, training, data, count)
     metric_names = check_task(training, data.val, normalize) if world.main else []

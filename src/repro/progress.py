@@ -41,7 +41,8 @@ class Progress:
 
 class Throughput:
     """Images a second over the whole loop, and steady: from the end of the first steps
-    (at most 10) to the last update, the device synchronised at both marks. Evaluations and
+    (at most 10: the warm-up, compilation included) to the last update, the device
+    synchronised at both marks. Evaluations and
     checkpoints in between count; the final ones do not."""
 
     def __init__(self, start: int, max_steps: int, batch_size: int, device: torch.device) -> None:
@@ -71,7 +72,10 @@ class Throughput:
         if self.warm in self.marks and self.max_steps in self.marks and self.max_steps > self.warm:
             span = self.marks[self.max_steps] - self.marks[self.warm]
             steady = (self.max_steps - self.warm) * self.batch_size / span
+        warm = self.marks.get(self.warm)
         return {
             "images_per_second": (self.max_steps - self.start) * self.batch_size / seconds,
             "steady_images_per_second": steady,
+            # the first steps, until steady: torch.compile's compilation falls here
+            "warmup_seconds": warm - self.t0 if warm is not None else None,
         }

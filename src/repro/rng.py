@@ -47,6 +47,42 @@ def keyed_permutation(n: int, seed: int, purpose: str, *counters: int) -> torch.
     return torch.randperm(n, generator=keyed_generator(seed, purpose, *counters))
 
 
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x, c: int):
+    """``x * c mod 2**32`` for ``x`` in [0, 2**32) (an int, or an int64 tensor): in 16-bit
+    halves of ``c``, so that no product leaves int64's range (exact on every device)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x):
+    """A bijection of 32-bit values whose output bits each depend on every input bit (the
+    "lowbias32" integer hash: xor-shift, multiply, xor-shift, multiply, xor-shift)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def keyed_draws(seed: int, purpose: str, *counters: torch.Tensor, draws: int) -> torch.Tensor:
+    """``draws`` 32-bit values (int64, in [0, 2**32)) for every element of the int64 counter
+    tensors (broadcast; each counter in [0, 2**32)), keyed by ``(seed, purpose, *counters)``:
+    shape ``(*counters' shape, draws)``, on the counters' device.
+
+    A counter-based generator: a pure integer function of the key, computed elementwise,
+    so a whole batch's draws are a few tensor ops on the batch's device, with the same
+    values on a CPU and a GPU, in any batch and any process."""
+    key = derive_seed(seed, purpose)
+    state = _mix32((key & _M32) ^ _mix32(key >> 32))  # a Python int
+    for counter in counters:
+        state = _mix32(state ^ (counter & _M32))
+    offsets = [(0x9E3779B9 * (j + 1)) & _M32 for j in range(draws)]
+    offsets = torch.tensor(offsets, dtype=torch.int64, device=counters[0].device)
+    return _mix32((state[..., None] + offsets) & _M32)
+
+
 def seed_global_rngs(seed: int) -> dict[str, int]:
     """Seed Python's ``random``, NumPy's legacy global RNG and torch's CPU and CUDA generators.
 

@@ -1,0 +1,73 @@
+"""The loop an expert writes by hand, as the peer of the template's strict mode on one GPU.
+
+The same model class, optimizer, schedule, loss, precision and batch as the template's
+config, built by the template's own builders; the training split on the GPU; a random crop
+and flip per sample drawn on the GPU (one gather, as the template's); deterministic
+algorithms on, channels_last and optionally ``torch.compile`` (Inductor's deterministic
+mode on). Nothing else: no trace, no checkpoints, no keyed randomness, no evaluation, no
+check for a loss that is not finite. ``scripts/benchmark.py --reference`` runs it beside
+the template; its weights digest shows it repeats too.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from repro.build import build_data, build_model, build_optimizer, build_schedule
+from repro.config import compose
+from repro.data import CROP_PAD, crop_flip_batch
+from repro.trace import state_dict_sha256
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def reference_run(overrides: list[str], steps: int, warmup: int, compiled: bool) -> dict:
+    """Train ``steps`` steps; images/s over those after ``warmup`` (CUDA-synchronised)."""
+    cfg = compose([*overrides, "trainer.compile=off", "trainer.channels_last=false"], ROOT / "conf")
+    device = torch.device("cuda")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(int(cfg.seed))
+    splits = build_data(cfg)
+    model = build_model(cfg, splits, device).to(memory_format=torch.channels_last)
+    if compiled:
+        import torch._inductor.config as inductor
+
+        inductor.deterministic = True
+        model.compile(dynamic=False)
+    optimizer = build_optimizer(cfg, model)
+    schedule = build_schedule(cfg, optimizer)
+    images, labels = splits.train.images.to(device), splits.train.labels.to(device)
+    mean = torch.tensor(splits.mean, device=device).view(1, -1, 1, 1)
+    std = torch.tensor(splits.std, device=device).view(1, -1, 1, 1)
+    batch, micro = int(cfg.trainer.batch_size), int(cfg.trainer.micro_batch_size)
+    bf16 = bool(cfg.amp.enabled)
+    generator = torch.Generator(device).manual_seed(int(cfg.seed))
+    marks = {}
+    for step in range(1, steps + 1):
+        index = torch.randint(0, len(images), (batch,), device=device, generator=generator)
+        offsets = torch.randint(0, 2 * CROP_PAD + 1, (batch, 2), device=device, generator=generator)
+        flips = torch.randint(0, 2, (batch, 1), device=device, generator=generator)
+        x = crop_flip_batch(images[index], torch.cat([offsets, flips], 1))
+        x = ((x.float() / 255 - mean) / std).contiguous(memory_format=torch.channels_last)
+        y = labels[index]
+        for k in range(0, batch, micro):  # gradient accumulation, as the template's K
+            with torch.autocast("cuda", torch.bfloat16, enabled=bf16):
+                out = model(x[k : k + micro])
+            loss = F.cross_entropy(out.float(), y[k : k + micro], reduction="sum") / batch
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        schedule.step()
+        if step in (warmup, steps):
+            torch.cuda.synchronize()
+            marks[step] = time.perf_counter()
+    return {
+        "images_per_second": (steps - warmup) * batch / (marks[steps] - marks[warmup]),
+        "weights": state_dict_sha256(model.state_dict()),
+    }
