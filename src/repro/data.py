@@ -579,12 +579,16 @@ class KeyedBatches(Dataset):
         epochs, index = torch.tensor(keys, dtype=torch.int64).view(-1, 2).unbind(1)
         return self.fetch(epochs, index)
 
-    def fetch(self, epochs: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def fetch(
+        self, epochs: torch.Tensor, index: torch.Tensor, params: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The samples ``index`` (int64, on the split's device) in ``epochs`` (the same
-        length, or one element), cropped and flipped."""
+        length, or one element), cropped and flipped; ``params``: their draws, if the caller
+        has them (:func:`keyed_crop_flip_params` of these keys)."""
         images, targets = self.split.fetch(index)
         if self.augment:
-            params = keyed_crop_flip_params(self.seed, epochs, index)
+            if params is None:
+                params = keyed_crop_flip_params(self.seed, epochs, index)
             images = crop_flip_batch(images, params)
             if targets.dim() == 3:  # per-pixel masks move with their images
                 targets = crop_flip_batch(targets[:, None], params, fill=IGNORE)[:, 0]
@@ -671,17 +675,24 @@ class DeviceBatches:
     """``loader=device``: the training split lives on the device and each micro-batch is
     gathered and augmented there (:meth:`KeyedBatches.fetch` over the device copy), with no
     worker processes: the same keys, draws and bytes as the DataLoader path, so the choice
-    of loader cannot change the bits. The epoch's permutation goes to the device once; a
-    micro-batch is then a slice of it, its draws a few integer ops and its crop one gather:
-    no host work per sample and no host-to-device copy per step."""
+    of loader cannot change the bits. The epoch's permutation goes to the device once, and
+    the epoch's draws for every sample are computed there at once; a micro-batch is then a
+    slice of the permutation, a lookup of its draws and one gather for the crop: no host
+    work per sample and no host-to-device copy per step."""
 
     def __init__(self, batches: KeyedBatches, sampler: KeyedBatchSampler) -> None:
         self.batches, self.sampler = batches, sampler
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        device = getattr(self.batches.split, "device", torch.device("cpu"))
+        b = self.batches
+        device = getattr(b.split, "device", torch.device("cpu"))
+        held: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         for epoch, index in self.sampler.index_tensors(device):
-            yield self.batches.fetch(epoch, index)
+            if held[0] is not epoch:  # a new epoch (index_tensors makes one tensor an epoch)
+                every = torch.arange(len(b.split), device=device)
+                held = (epoch, keyed_crop_flip_params(b.seed, epoch, every) if b.augment else None)
+            table = held[1]
+            yield b.fetch(epoch, index, table[index] if table is not None else None)
 
 
 def _init_worker(worker_id: int) -> None:

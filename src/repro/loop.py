@@ -147,14 +147,16 @@ def _train(
     ):
         clock = Throughput(start, max_steps, training.batch_size, run.device)
         stop, warned = t.on_nonfinite == "stop", False
+        upcoming = next_step_batches(batches, count, normalize)
         for step in range(start, max_steps):
             done = step + 1
-            raw = [next(batches) for _ in range(count)]  # this rank's micro-batches
+            raw, micro = upcoming  # this rank's micro-batches: as loaded, and on the device
+            if done < max_steps:  # queued before this step's host synchronisation: no gap
+                upcoming = next_step_batches(batches, count, normalize)
             record = tracer.inputs(done, raw)
             if resume and step == start:
                 record["resumed"] = resumes[-1]
             lr = training.schedule.get_last_lr()[0]
-            micro = [normalize(*b) for b in raw]
             try:
                 loss, grad_norm = train_step(
                     training, micro, step, first=first, reducer=reducer, stop_if_not_finite=stop
@@ -237,6 +239,15 @@ def diverged(run: Run, done: int, bad: NotFinite) -> Diverged:
         f"step {done}: the loss is {loss} and the gradient norm {norm}: training diverged; "
         f"{kept}. Lower optim.lr, or set trainer.on_nonfinite=continue to train on."
     )
+
+
+def next_step_batches(
+    batches: Any, count: int, normalize: DeviceNormalizer
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The next ``count`` micro-batches as loaded, and normalised on the device (queued
+    there, not waited for)."""
+    raw = [next(batches) for _ in range(count)]
+    return raw, [normalize(*b) for b in raw]
 
 
 def due(done: int, every: int, max_steps: int) -> bool:
