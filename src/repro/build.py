@@ -108,10 +108,11 @@ def build_model(cfg: DictConfig, data: DataSplits, device: torch.device) -> nn.M
             f"model._target_={cfg.model._target_!r} returned a {type(model).__name__}, not a "
             "torch.nn.Module; point it at a model class or a function that returns one."
         )
-    t = cfg.trainer
-    model = model.to(device, memory_format=_memory_format(bool(t.channels_last)))
-    if str(t.compile) != "off":  # in place: the state dict keeps its keys
-        model.compile(mode=None if t.compile == "default" else str(t.compile), dynamic=False)
+    t = cfg.get("trainer") or {}
+    model = model.to(device, memory_format=_memory_format(bool(t.get("channels_last", False))))
+    mode = str(t.get("compile", "off"))
+    if mode != "off":  # in place: the state dict keeps its keys
+        model.compile(mode=None if mode == "default" else mode, dynamic=False)
     return model
 
 

@@ -47,7 +47,7 @@ def check_task(training: Training, split: Split, normalize: DeviceNormalizer) ->
     the run's bits are those it would have without the check."""
     states = global_rng_states()
     try:
-        with _eager():  # a compiled model would compile a graph for this shape alone
+        with _eager(training.model):  # compiled, it would compile a graph for this shape
             return list(evaluate(training, split, normalize, 4, limit=4))
     except RuntimeError as err:  # strict mode and an op with no deterministic kernel?
         from repro.doctor import explain_nondeterministic_op
@@ -59,10 +59,12 @@ def check_task(training: Training, split: Split, normalize: DeviceNormalizer) ->
         set_global_rng_states(states)
 
 
-def _eager() -> contextlib.AbstractContextManager:
-    """Run a ``torch.compile``d model as plain PyTorch inside (torch 2.6 and later)."""
+def _eager(model: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """Run a model compiled in place (``trainer.compile``) as plain PyTorch inside (torch 2.6
+    and later); leave an eager model alone."""
     set_stance = getattr(torch.compiler, "set_stance", None)
-    return set_stance("force_eager") if set_stance else contextlib.nullcontext()
+    compiled = getattr(model, "_compiled_call_impl", None) is not None
+    return set_stance("force_eager") if compiled and set_stance else contextlib.nullcontext()
 
 
 def check_metrics(task: Task, metrics: dict[str, float]) -> None:

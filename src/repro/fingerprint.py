@@ -91,7 +91,8 @@ def determinism_flags() -> dict[str, Any]:
         "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
         "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        # torch.compile's (None: Inductor not loaded, so nothing was compiled)
+        # torch.compile's (recent torch sets it with use_deterministic_algorithms; None:
+        # Inductor's config was never loaded)
         "inductor_deterministic": getattr(
             sys.modules.get("torch._inductor.config"), "deterministic", None
         ),
