@@ -52,8 +52,8 @@ MUTATIONS = [
         "flip",
         "an un-keyed random flip (drawn from the process's global generator)",
         "src/repro/data.py",
-        "flip = bool(torch.randint(0, 2, (1,), generator=generator))",
-        "flip = bool(torch.randint(0, 2, (1,)))",
+        "draws[:, 2] & 1], 1",
+        "torch.randint(0, 2, index.shape, device=index.device)], 1",
         [
             "tests/test_data.py::test_loader_output_does_not_depend_on_worker_count[2-workers]",
             "tests/test_train.py::test_loader_workers_do_not_change_the_bits",
