@@ -118,6 +118,27 @@ REFERENCE_CELLS = [
         ],
         False,
     ),
+    (
+        "template device channels_last compile, trace=false",
+        [
+            "loader=device",
+            "trainer.channels_last=true",
+            "trainer.compile=default",
+            "trainer.trace=false",
+        ],
+        False,
+    ),
+    (
+        "template device channels_last compile, trace=false, on_nonfinite=continue",
+        [
+            "loader=device",
+            "trainer.channels_last=true",
+            "trainer.compile=default",
+            "trainer.trace=false",
+            "trainer.on_nonfinite=continue",
+        ],
+        False,
+    ),
     ("reference eager", None, False),
     ("reference compile", None, True),
 ]
@@ -129,12 +150,13 @@ def reference_comparison(args: argparse.Namespace, tmp: Path) -> list[dict]:
 
     rows = []
     n = 0
+    cells = [c for c in REFERENCE_CELLS if c[0] in args.cells] if args.cells else REFERENCE_CELLS
     for model in args.models:
         base = [*MODELS[model], "amp=on", "determinism=strict"]
-        res: dict[str, list[dict]] = {name: [] for name, _, _ in REFERENCE_CELLS}
+        res: dict[str, list[dict]] = {name: [] for name, _, _ in cells}
         for i in range(args.repeats):
-            shift = i * len(REFERENCE_CELLS) // args.repeats
-            for name, overrides, compiled in REFERENCE_CELLS[shift:] + REFERENCE_CELLS[:shift]:
+            shift = i * len(cells) // args.repeats
+            for name, overrides, compiled in cells[shift:] + cells[:shift]:
                 n += 1
                 if overrides is None:
                     t0 = time.perf_counter()
@@ -150,7 +172,7 @@ def reference_comparison(args: argparse.Namespace, tmp: Path) -> list[dict]:
                     flush=True,
                 )
         medians = {k: statistics.median(r["images_per_second"] for r in v) for k, v in res.items()}
-        for name, _, _ in REFERENCE_CELLS:
+        for name, _, _ in cells:
             ips = [r["images_per_second"] for r in res[name]]
             warm = [r["warmup_seconds"] for r in res[name] if r.get("warmup_seconds")]
             rows.append(
@@ -286,6 +308,14 @@ def main() -> int:
         action="store_true",
         help="instead: the template (strict, bf16) against the hand-written loop "
         "(scripts/reference_loop.py), eager and compiled (CUDA only)",
+    )
+    p.add_argument(
+        "--cells",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="with --reference: only these cells (their names in the table; both reference "
+        "cells are needed for the ratios)",
     )
     args = p.parse_args()
     if args.reference:
