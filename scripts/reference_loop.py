@@ -25,10 +25,13 @@ from repro.trace import state_dict_sha256
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def reference_run(overrides: list[str], steps: int, warmup: int, compiled: bool) -> dict:
+def reference_run(
+    overrides: list[str], steps: int, warmup: int, compiled: bool, device: str = "cuda"
+) -> dict:
     """Train ``steps`` steps; images/s over those after ``warmup`` (CUDA-synchronised)."""
     cfg = compose([*overrides, "trainer.compile=off", "trainer.channels_last=false"], ROOT / "conf")
-    device = torch.device("cuda")
+    device = torch.device(device)
+    on_cuda = device.type == "cuda"
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -57,7 +60,7 @@ def reference_run(overrides: list[str], steps: int, warmup: int, compiled: bool)
         x = ((x.float() / 255 - mean) / std).contiguous(memory_format=torch.channels_last)
         y = labels[index]
         for k in range(0, batch, micro):  # gradient accumulation, as the template's K
-            with torch.autocast("cuda", torch.bfloat16, enabled=bf16):
+            with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
                 out = model(x[k : k + micro])
             loss = F.cross_entropy(out.float(), y[k : k + micro], reduction="sum") / batch
             loss.backward()
@@ -65,7 +68,8 @@ def reference_run(overrides: list[str], steps: int, warmup: int, compiled: bool)
         optimizer.zero_grad(set_to_none=True)
         schedule.step()
         if step in (warmup, steps):
-            torch.cuda.synchronize()
+            if on_cuda:
+                torch.cuda.synchronize()
             marks[step] = time.perf_counter()
     return {
         "images_per_second": (steps - warmup) * batch / (marks[steps] - marks[warmup]),

@@ -167,3 +167,35 @@ def test_a_second_result_the_same_day_keeps_the_first(tmp_path):
     assert json.loads((tmp_path / "benchmark-2026-11-29-NVIDIA_H200-2.json").read_text()) == {
         "n": 2
     }
+
+
+def test_the_reference_loop_repeats_its_bits():
+    """scripts/reference_loop.py, the hand-written peer of benchmark.py --reference: on the
+    CPU here (the benchmark runs it on a GPU), twice the same weights."""
+    import importlib.util
+
+    from conftest import SMALL_DATA
+
+    spec = importlib.util.spec_from_file_location(
+        "reference_loop", ROOT / "scripts" / "reference_loop.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = [*SMALL_DATA, "model.width=8"]
+    a, b = (module.reference_run(args, 6, 2, compiled=False, device="cpu") for _ in range(2))
+    assert a["weights"] == b["weights"] and a["images_per_second"] > 0
+
+
+@pytest.mark.e2e
+def test_the_reference_benchmark_without_a_gpu_is_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is here: the benchmark would run")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--reference"],
+        capture_output=True,
+        text=True,
+        env=user_env(),
+    )
+    assert out.returncode == 2 and "--reference needs a CUDA GPU" in out.stderr
