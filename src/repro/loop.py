@@ -45,7 +45,7 @@ from repro.checkpoint import (
 from repro.config import config_hash, resolved_container, validate
 from repro.data import DeviceNormalizer, loading
 from repro.determinism import DeterminismReport, apply_determinism
-from repro.dist import World, broadcast_object, on_main
+from repro.dist import World, barrier, broadcast_object, on_main
 from repro.dist import init as init_world
 from repro.doctor import explain_nondeterministic_op
 from repro.errors import Diverged
@@ -162,10 +162,12 @@ def _train(
                     training, micro, step, first=first, reducer=reducer, stop_if_not_finite=stop
                 )
             except NotFinite as bad:  # nothing of this step applied: keep the last finite one
+                # every rank is here (the loss and norm are the reduced ones, the same on all)
                 if world.main and step and checkpoints.last_saved != step:
                     checkpoints.save(step, logs)
                 logs.step(done, bad.loss, bad.grad_norm, lr, record)
                 logs.flush(wait=True)
+                barrier(world)  # no rank exits (and has torchrun stop rank 0) before the save
                 raise diverged(run, done, bad) from None
             except RuntimeError as err:  # strict mode and an op with no deterministic kernel?
                 explain_nondeterministic_op(err, training, *micro[0])  # one line if so
