@@ -73,12 +73,13 @@ def main(cfg: DictConfig) -> float:
             sys.stderr.flush()
             os._exit(1)
         # an error before the directory was taken (a refusal, a config that cannot build)
-        # writes there only into a directory Hydra has just created
+        # writes nothing there, except a sweep job's record into a directory Hydra has just
+        # created (a relaunch into either can still take it)
         new = run_dir.is_dir() and not any(run_dir.iterdir())
         if hydra_cfg.mode != RunMode.MULTIRUN:
             if isinstance(err, ReproError):
                 exit_with(err)
-            if not (taken or new):
+            if not taken:
                 traceback.print_exc()
                 raise SystemExit(1) from None
             log_file = run_dir / LOG_FILE

@@ -318,12 +318,20 @@ def main() -> int:
         "cells are needed for the ratios)",
     )
     args = p.parse_args()
+    if not 0 < args.warmup < args.steps:
+        p.error("need 0 < --warmup < --steps")
     if args.reference:
         if not torch.cuda.is_available():
             p.error("--reference needs a CUDA GPU (the reference loop keeps its data there)")
+        names = [name for name, _, _ in REFERENCE_CELLS]
+        unknown = [c for c in args.cells or [] if c not in names]
+        if unknown or (
+            args.cells and not {"reference eager", "reference compile"} <= set(args.cells)
+        ):
+            p.error(
+                f"--cells: from {names}, both reference cells included ({unknown or 'missing'})"
+            )
         return main_reference(args)
-    if not 0 < args.warmup < args.steps:
-        p.error("need 0 < --warmup < --steps")
     if args.lightning and not (
         importlib.util.find_spec("lightning") or importlib.util.find_spec("pytorch_lightning")
     ):

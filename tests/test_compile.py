@@ -12,12 +12,13 @@ from repro.errors import CheckpointError, ConfigError
 
 class TinyNet(torch.nn.Module):
     """Small enough that Inductor compiles it in seconds on a 2-core CPU; dropout inside, so
-    that keyed randomness is exercised in the compiled graph."""
+    that keyed randomness is exercised in the compiled graph, and a BatchNorm, so that the
+    running statistics' hooks are too."""
 
     def __init__(self, num_classes, in_channels=3, width=8, dropout=0.1):
         super().__init__()
         self.conv = torch.nn.Conv2d(in_channels, width, 3, stride=2, padding=1)
-        self.norm = torch.nn.GroupNorm(4, width)
+        self.norm = torch.nn.BatchNorm2d(width)
         self.dropout = torch.nn.Dropout(dropout)
         self.head = torch.nn.Linear(width, num_classes)
 

@@ -411,7 +411,7 @@ def test_a_damaged_checkpoint_is_detected_and_resume_falls_back(
     resumed = resume(run_dir, SCENARIOS["mid-epoch"])
     assert f"step-00000020.pt: {message}" in resumed.output
     assert "Falling back to the previous checkpoint" in resumed.output
-    assert "set step-00000020.pt aside as step-00000020.pt.bad (damaged)" in resumed.output
+    assert "set step-00000020.pt aside as step-00000020.pt.bad (unusable)" in resumed.output
     assert resumed.summary["resumes"][0]["step"] == 10
     assert_same_as(resumed, straight("mid-epoch"))
     kept = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
@@ -429,7 +429,8 @@ def test_a_checkpoint_named_on_the_command_line_that_does_not_fit_is_refused(kil
             *SCENARIOS["mid-epoch"],
             f"trainer.resume={run_dir}/checkpoints/step-00000020.pt",
         )
-    assert "\n" not in str(e.value) and not (tmp_path / "new" / "trace.jsonl").exists()
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "new").exists() or not list((tmp_path / "new").iterdir())
 
 
 class Payload:

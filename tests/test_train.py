@@ -246,18 +246,24 @@ def test_json_files_stay_valid_json_when_a_value_is_not_finite(tmp_path):
     assert loaded == {"loss": None, "dice": [None, 0.5], "n": 3}
 
 
+@pytest.mark.parametrize(
+    "model",
+    [["model.width=8"], ["model=resnet18", "model.width=4"]],
+    ids=["groupnorm", "batchnorm"],
+)
 def test_a_loss_that_is_not_finite_stops_the_run_after_a_checkpoint_of_the_last_finite_step(
-    tmp_path,
+    model, tmp_path
 ):
     """optim.lr=1e6 diverges within a few steps. The run stops at the first step whose loss or
-    gradient norm is not finite, with nothing of that step applied and no periodic checkpoint
-    asked for: the checkpoint it writes holds, bit for bit, the weights the uninterrupted run
-    (trainer.on_nonfinite=continue) had one step before."""
+    gradient norm is not finite, with nothing of that step applied (BatchNorm's running
+    statistics included) and no periodic checkpoint asked for: the checkpoint it writes
+    holds, bit for bit, the state the uninterrupted run (trainer.on_nonfinite=continue) had
+    one step before."""
     from repro.checkpoint import load_checkpoint
     from repro.errors import Diverged
     from repro.trace import state_dict_sha256
 
-    diverging = [*TINY, "optim.lr=1e6", "trainer.max_steps=40", "trainer.trace_every=1"]
+    diverging = [*TINY, *model, "optim.lr=1e6", "trainer.max_steps=40", "trainer.trace_every=1"]
     with pytest.raises(Diverged, match=r"^step (\d+): the loss is (nan|inf)") as err:
         train_here(tmp_path / "stop", *diverging, "trainer.checkpoint_every=0")
     message = str(err.value)

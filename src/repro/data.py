@@ -1,9 +1,10 @@
 """Datasets, keyed augmentation, the resumable keyed sampler and the loader factory.
 
 Layer 3 of the defense. The sampler yields micro-batches of *keys* ``(epoch, index)``, not
-bare indices; :class:`KeyedBatches` derives each sample's augmentation generator from
-``(seed, "augment", epoch, index)``. Which worker loads a sample, how many workers there are,
-and whether the batch is cut on the host or on the GPU cannot change it.
+bare indices; :class:`KeyedBatches` derives each sample's augmentation draws from
+``(seed, "augment", epoch, index)`` (counter-based: :func:`repro.rng.keyed_draws`). Which
+worker loads a sample, how many workers there are, and whether the batch is cut on the host
+or on the GPU cannot change them.
 
 A dataset is any function that returns :class:`DataSplits`; a config selects it with
 ``_target_`` (see ``conf/data/``). Its splits are in memory (:class:`TensorImages`) or read

@@ -150,9 +150,14 @@ def _train(
         upcoming = next_step_batches(batches, count, normalize)
         for step in range(start, max_steps):
             done = step + 1
+            if isinstance(upcoming, Exception):  # the loader failed on this step's batches
+                raise upcoming
             raw, micro = upcoming  # this rank's micro-batches: as loaded, and on the device
             if done < max_steps:  # queued before this step's host synchronisation: no gap
-                upcoming = next_step_batches(batches, count, normalize)
+                try:
+                    upcoming = next_step_batches(batches, count, normalize)
+                except Exception as err:  # raised when its step comes: after this step's
+                    upcoming = err  # checkpoint, as without the look-ahead
             record = tracer.inputs(done, raw)
             if resume and step == start:
                 record["resumed"] = resumes[-1]
@@ -163,8 +168,9 @@ def _train(
                 )
             except NotFinite as bad:  # nothing of this step applied: keep the last finite one
                 # every rank is here (the loss and norm are the reduced ones, the same on all)
-                if world.main and step and checkpoints.last_saved != step:
-                    checkpoints.save(step, logs)
+                kept = checkpoint_path(run.dir, step)
+                if world.main and step and checkpoints.last_saved != step and not kept.is_file():
+                    checkpoints.save(step, logs)  # (a run resumed at ``step`` has it already)
                 logs.step(done, bad.loss, bad.grad_norm, lr, record)
                 logs.flush(wait=True)
                 barrier(world)  # no rank exits (and has torchrun stop rank 0) before the save
@@ -180,8 +186,11 @@ def _train(
             if world.main and due(done, int(t.eval_every), max_steps):
                 metrics = evaluate(training, data.val, normalize, int(t.eval_batch_size))
             logs.step(done, loss, grad_norm, lr, record, metrics)
-            if logs.diverged and not warned:  # trainer.on_nonfinite=continue: say it once
-                log.warning(f"step {logs.diverged[0]}: the loss is not finite; training on")
+            if logs.diverged and not (stop or warned):  # trainer.on_nonfinite=continue
+                log.warning(
+                    f"step {logs.diverged[0]}: the loss or gradient norm is not finite; "
+                    "training on (trainer.on_nonfinite=continue)"
+                )
                 warned = True
             if world.main and due(done, int(t.checkpoint_every), max_steps):
                 checkpoints.save(done, logs)

@@ -144,7 +144,7 @@ def _resume_point(
         log.info(f"resume: removed {leftover.name}, a write interrupted before its rename")
     if source_run.resolve() == run_dir.resolve():  # this run's own damaged checkpoints
         for bad in damaged:
-            log.warning(f"resume: set {bad.name} aside as {set_aside(bad).name} (damaged)")
+            log.warning(f"resume: set {bad.name} aside as {set_aside(bad).name} (unusable)")
     return ResumePoint(path, state, differ)
 
 

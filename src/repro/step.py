@@ -34,8 +34,8 @@ def train_step(
     norm) as device tensors (no host synchronisation).
 
     With ``stop_if_not_finite`` a loss or gradient norm that is inf or NaN raises
-    :class:`NotFinite` before the optimizer step, so that the weights, optimizer and schedule
-    are still those of the last finite step. That costs one host synchronisation per step.
+    :class:`NotFinite` before the optimizer step, so that the weights, BatchNorm statistics,
+    optimizer and schedule are still those of the last finite step. That costs one host synchronisation per step.
     Under fp16 an infinite gradient is the loss scaler's business (it skips the step and
     lowers the scale), so only the loss is checked then.
 
@@ -62,8 +62,6 @@ def train_step(
     loss, grads = tree_reduce(first, first + len(micro_batches), leaf, add_partials)
     if reducer is not None:
         loss, grads, recorded = reducer(loss, grads, recorded)
-    if stats:
-        stats.update(recorded)
     for p, g in zip(params, grads, strict=True):
         p.grad = g
     scaler.unscale_(training.optimizer)  # a no-op unless fp16
@@ -75,6 +73,8 @@ def train_step(
         if not bool(finite):  # the host synchronisation
             training.optimizer.zero_grad(set_to_none=True)
             raise NotFinite(loss, grad_norm)
+    if stats:  # after the check: a step that is not applied leaves the statistics alone
+        stats.update(recorded)
     scaler.step(training.optimizer)
     scaler.update()
     training.optimizer.zero_grad(set_to_none=True)
