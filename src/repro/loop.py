@@ -167,10 +167,7 @@ def _train(
                     training, micro, step, first=first, reducer=reducer, stop_if_not_finite=stop
                 )
             except NotFinite as bad:  # nothing of this step applied: keep the last finite one
-                # every rank is here (the loss and norm are the reduced ones, the same on all)
-                kept = checkpoint_path(run.dir, step)
-                if world.main and step and checkpoints.last_saved != step and not kept.is_file():
-                    checkpoints.save(step, logs)  # (a run resumed at ``step`` has it already)
+                keep_last_finite(run, checkpoints, logs, step)
                 logs.step(done, bad.loss, bad.grad_norm, lr, record)
                 logs.flush(wait=True)
                 barrier(world)  # no rank exits (and has torchrun stop rank 0) before the save
@@ -236,6 +233,15 @@ def take_run_dir(
     return prepare_run_dir(
         run.cfg, run.dir, run.identity, functools.partial(cannot_restore, training)
     )
+
+
+def keep_last_finite(run: Run, checkpoints: Checkpointer, logs: TrainingLog, step: int) -> None:
+    """Rank 0, when step ``step + 1`` is not finite (on every rank: the loss and norm are the
+    reduced ones): the checkpoint of ``step``, unless there is one (a periodic one, or the
+    one this run resumed from) or nothing was trained yet."""
+    kept = checkpoint_path(run.dir, step)
+    if run.world.main and step and checkpoints.last_saved != step and not kept.is_file():
+        checkpoints.save(step, logs)
 
 
 def diverged(run: Run, done: int, bad: NotFinite) -> Diverged:
