@@ -34,7 +34,6 @@ def test_benchmark_writes_a_table_with_strict_and_fast(tmp_path):
         "--models",
         "convnet",
         "--variants",
-        "fp32-single",
         "fp32-multi",
         "bf16-device",
         "--out",
@@ -42,7 +41,6 @@ def test_benchmark_writes_a_table_with_strict_and_fast(tmp_path):
     )
     (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("benchmark-*.json")]
     assert [(r["amp"], r["loader"]) for r in record["rows"]] == [
-        ("fp32", "single"),
         ("fp32", "multi"),
         ("bf16", "device"),
     ]
@@ -50,15 +48,15 @@ def test_benchmark_writes_a_table_with_strict_and_fast(tmp_path):
         assert r["strict_over_fast"] > 0 and r["strict_distinct_weights"] == 1
         assert 1e8 < r["flops_per_image"] < 1e9 and r["strict_tflops"] > 0  # ConvNet: 0.17 G
     table = next(tmp_path.glob("benchmark-*.md")).read_text()
-    assert "| convnet | fp32 | single |" in table and "% of bf16 ceiling" in table
+    assert "| convnet | fp32 | multi |" in table and "% of bf16 ceiling" in table
 
 
 @pytest.mark.e2e
-def test_dist_benchmark_compares_reductions_and_ddp_across_world_sizes(tmp_path):
+def test_dist_benchmark_compares_reductions_and_ddp(tmp_path):
+    """Two processes only (a CI budget): world-size invariance is test_dist.py's."""
     run_script(
         "dist_benchmark.py",
         "--world-sizes",
-        "1",
         "2",
         "--steps",
         "22",
@@ -75,8 +73,7 @@ def test_dist_benchmark_compares_reductions_and_ddp_across_world_sizes(tmp_path)
     )
     (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("dist-*.json")]
     rows = {(r["world_size"], r["reduction"]): r for r in record["rows"]}
-    assert set(rows) == {(1, "ordered"), (1, "ddp"), (2, "ordered"), (2, "all_reduce"), (2, "ddp")}
-    assert rows[(2, "ordered")]["same_bits_as_first"]  # world-size invariance
+    assert set(rows) == {(2, "ordered"), (2, "all_reduce"), (2, "ddp")}
     assert all(r["median"] > 0 for r in rows.values())
     assert "| 2 | ordered |" in next(tmp_path.glob("dist-*.md")).read_text()
 
