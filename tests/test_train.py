@@ -285,3 +285,28 @@ def test_a_loss_that_is_not_finite_stops_the_run_after_a_checkpoint_of_the_last_
     assert state_dict_sha256(state["model"]) == before["weights_sha256"]
     after = next(r for r in records if r["step"] == bad)
     assert after["loss"] is None or not math.isfinite(after["loss"])
+
+
+def test_a_loader_error_met_while_looking_ahead_comes_after_the_step_before_it(
+    tmp_path, monkeypatch
+):
+    """The loop fetches step s+1's batches during step s. A loader error there (a corrupt
+    image) is raised when step s+1 comes: step s is trained and checkpointed first, as
+    without the look-ahead."""
+    import repro.loop
+    from repro.errors import DataError
+
+    real, calls = repro.loop.next_step_batches, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:  # the batches of step 5, fetched during step 4
+            raise DataError("data: cannot read image bad.png")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(repro.loop, "next_step_batches", failing)
+    run_dir = tmp_path / "run"
+    with pytest.raises(DataError, match="bad.png"):
+        train_here(run_dir, *TINY, "trainer.max_steps=8", "trainer.checkpoint_every=4")
+    assert (run_dir / "checkpoints" / "step-00000004.pt").is_file()
+    assert (run_dir / "metrics.csv").read_text().splitlines()[-1].startswith("4,")
