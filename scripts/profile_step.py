@@ -43,11 +43,19 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--label", default="run", help="goes into the file name")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks")
     p.add_argument("--trace", action="store_true", help="also write the Chrome trace")
+    p.add_argument(
+        "--reference",
+        choices=["eager", "compile"],
+        help="profile the hand-written loop (scripts/reference_loop.py) on the same config "
+        "instead of the template's, for a side-by-side reading (one process)",
+    )
     p.add_argument("overrides", nargs="*", help="train.py overrides (after --)")
     args = p.parse_args(argv)
     for name in ("nproc", "active"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
+    if args.reference and args.nproc > 1:
+        p.error("--reference profiles one process (the hand-written loop has no torchrun)")
     if args.wait < 0 or args.warmup < 1:
         p.error("--wait must be 0 or more and --warmup 1 or more (the profiler's start-up)")
     return args
@@ -101,6 +109,20 @@ def profile(args: argparse.Namespace) -> None:
             marks[step] = time.perf_counter()
         prof.step()
 
+    if args.reference:  # the same config, trained by the hand-written loop
+        from reference_loop import reference_run
+
+        from repro.fingerprint import environment
+
+        prof.start()
+        device = "cuda" if cuda else "cpu"
+        compiled = args.reference == "compile"
+        reference_run(args.overrides, steps, first, compiled, device, after_step)
+        prof.stop()
+        overrides = [*args.overrides, f"(scripts/reference_loop.py, {args.reference})"]
+        wall_ms = (marks[last] - marks[first]) * 1e3 / args.active
+        report(args, prof, environment(), wall_ms, overrides, 1)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         if world.main:
             prof.start()

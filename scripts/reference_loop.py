@@ -12,6 +12,7 @@ the template; its weights digest shows it repeats too.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,9 +27,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def reference_run(
-    overrides: list[str], steps: int, warmup: int, compiled: bool, device: str = "cuda"
+    overrides: list[str],
+    steps: int,
+    warmup: int,
+    compiled: bool,
+    device: str = "cuda",
+    after_step: Callable[[int, torch.nn.Module], None] | None = None,
 ) -> dict:
-    """Train ``steps`` steps; images/s over those after ``warmup`` (CUDA-synchronised)."""
+    """Train ``steps`` steps; images/s over those after ``warmup`` (CUDA-synchronised).
+    ``after_step(step, model)``, as :func:`repro.loop.train` calls it (the profiler's)."""
     cfg = compose([*overrides, "trainer.compile=off", "trainer.channels_last=false"], ROOT / "conf")
     device = torch.device(device)
     on_cuda = device.type == "cuda"
@@ -67,6 +74,8 @@ def reference_run(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         schedule.step()
+        if after_step is not None:
+            after_step(step, model)
         if step in (warmup, steps):
             if on_cuda:
                 torch.cuda.synchronize()

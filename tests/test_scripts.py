@@ -109,6 +109,26 @@ def test_profile_step_reports_where_a_steps_time_goes(tmp_path):
 
 
 @pytest.mark.e2e
+def test_profile_step_profiles_the_hand_written_loop_on_the_same_config(tmp_path):
+    args = ["--wait", "1", "--warmup", "1", "--active", "2", "--out", str(tmp_path)]
+    run_script(
+        "profile_step.py",
+        *args,
+        "--reference",
+        "eager",
+        "--label",
+        "ref",
+        "--",
+        "trainer.batch_size=32",
+        "trainer.micro_batch_size=16",
+        "data.train_size=256",
+    )
+    text = next(tmp_path.glob("profile-ref-*.md")).read_text()
+    assert "(scripts/reference_loop.py, eager)" in text
+    assert "| `aten::convolution_backward` | 10 |" in text  # the same work: 2 x 5 a step
+
+
+@pytest.mark.e2e
 @pytest.mark.lightning
 def test_benchmark_runs_the_lightning_peer_beside_strict(tmp_path):
     pytest.importorskip("lightning", reason="needs Lightning (pip install -e '.[bench]')")
