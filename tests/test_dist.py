@@ -94,18 +94,15 @@ def test_only_rank_0_writes_into_one_run_directory(runs, tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("world_size", [1, 4])
-def test_a_two_process_checkpoint_resumes_in_another_world_size(runs, tmp_path, world_size):
+def test_a_two_process_checkpoint_resumes_in_another_world_size(runs, tmp_path):
+    """Resumed in one process. Every world size gives the one-process bits (above), so a
+    resume into 4 processes is the same claim at several times the CI time."""
     # written by the 2-process run at step 10 (mid-epoch: 8 steps an epoch)
     checkpoint = runs(2).dir / "checkpoints" / "step-00000010.pt"
     assert checkpoint.exists()
-    run_dir, resume_from = tmp_path / f"resumed{world_size}", f"trainer.resume={checkpoint}"
-    if world_size == 1:
-        resumed = train_here(run_dir, *SMALL, resume_from)
-    else:
-        resumed = run_train(run_dir, *SMALL, resume_from, nproc=world_size)
+    resumed = train_here(tmp_path / "resumed", *SMALL, f"trainer.resume={checkpoint}")
     assert resumed.summary["resumes"][-1]["step"] == 10
-    assert resumed.summary["resumes"][-1]["world_size"] == world_size
+    assert resumed.summary["resumes"][-1]["world_size"] == 1
     assert_same_bits(resumed, runs(1))
 
 

@@ -548,9 +548,7 @@ def test_resume_demo_script_prints_two_equal_digests(tmp_path):
     out = subprocess.run(
         # train.py overrides after --: smaller data than the default run's
         ["bash", str(ROOT / "scripts" / "resume_demo.sh"), "--", *SMALL_DATA, "model.width=8"],
-        env=user_env(
-            STEPS="20", KILL_AT="13", EVERY="5", PY=sys.executable, DEMO_DIR=str(tmp_path)
-        ),
+        env=user_env(STEPS="12", KILL_AT="8", EVERY="5", PY=sys.executable, DEMO_DIR=str(tmp_path)),
         cwd=tmp_path,
         capture_output=True,
         text=True,
