@@ -387,7 +387,7 @@ def test_image_mask_folder_trains_the_same_with_any_loader(tmp_path):
 def test_a_seed_sweep_reports_the_dice_distribution(tmp_path):
     sweep = tmp_path / "sweep"
     proc = subprocess.run(
-        train_cmd("-m", *SEG, "loader=single", "seed=0,1,2", f"hydra.sweep.dir={sweep}"),
+        train_cmd("-m", *SEG, "loader=single", "seed=0,1", f"hydra.sweep.dir={sweep}"),
         cwd=tmp_path,
         env=user_env(),
         capture_output=True,
@@ -400,7 +400,7 @@ def test_a_seed_sweep_reports_the_dice_distribution(tmp_path):
     report = repro("report", str(sweep))
     assert report.returncode == 0, report.stderr
     dice = [json.loads(p.read_text())["val_dice"] for p in sorted(sweep.glob("*/summary.json"))]
-    assert len(dice) == 3 and len(set(dice)) == 3  # the seed changes the result ...
+    assert len(dice) == 2 and len(set(dice)) == 2  # the seed changes the result ...
     assert "val_dice" in report.stdout and "mean" in report.stdout  # ... and the report says how
 
 

@@ -134,11 +134,13 @@ def test_make_help_lists_the_targets():
 @pytest.mark.e2e
 def test_two_sweeps_in_the_same_second_do_not_collide(tmp_path):
     """The configured sweep dir with its date and time frozen (as if both started in the same
-    second): what is left of the pattern must still keep the two sweeps apart."""
+    second): what is left of the pattern must still keep the two sweeps apart. The jobs fail
+    at once (a model that cannot be built), after Hydra has made their directories, each of
+    which then records the failure."""
     pattern = yaml.safe_load((ROOT / "conf" / "train.yaml").read_text())["hydra"]["sweep"]["dir"]
     frozen = re.sub(r"\$\{now:[^}]*\}", "same-second", pattern)
     assert frozen != pattern
-    cmd = train_cmd("-m", "seed=0", *TINY, f"hydra.sweep.dir={frozen}")
+    cmd = train_cmd("-m", "seed=0", *TINY, "model.width=0", f"hydra.sweep.dir={frozen}")
     procs = [
         subprocess.Popen(
             cmd,
@@ -151,8 +153,8 @@ def test_two_sweeps_in_the_same_second_do_not_collide(tmp_path):
         for _ in range(2)
     ]
     for p in procs:
-        assert p.wait(timeout=600) == 0, p.stderr.read()
-    jobs = sorted(tmp_path.glob("multirun/**/0_seed=0/summary.json"))
+        assert p.wait(timeout=600) == 1 and "could not be built" in p.stderr.read()
+    jobs = sorted(tmp_path.glob("multirun/**/0_seed=0/error.json"))
     assert len(jobs) == 2 and jobs[0].parent != jobs[1].parent
 
 

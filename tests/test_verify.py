@@ -20,7 +20,7 @@ def verify(tmp_path, *args, env=None):
 
 @pytest.mark.e2e
 def test_verify_passes_for_the_default_config(tmp_path):
-    out = verify(tmp_path / "v", "--steps", "10", "--", *SMALL_DATA, "model.width=8")
+    out = verify(tmp_path / "v", "--steps", "4", "--", *SMALL_DATA, "model.width=8")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "PASS  repeat (run a vs run b)" in out.stdout
     assert "PASS  loader: 0 vs 2 workers" in out.stdout
