@@ -279,6 +279,21 @@ def summarize(
     return group
 
 
+def base_record(
+    args: argparse.Namespace, env: dict, command: str, date: str, rows: list[dict]
+) -> dict:
+    """What every result JSON of this script holds: when, how, where, and its rows."""
+    return {
+        "date": date,
+        "command": command,
+        "environment": env,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "rows": rows,
+    }
+
+
 def default_loader() -> str:
     """The ``loader`` option of conf/train.yaml's defaults list."""
     from omegaconf import OmegaConf
@@ -395,18 +410,10 @@ def main() -> int:
 
     env = environment()
     command, date = command_line(), today()
-    record = {
-        "date": date,
-        "command": command,
-        "environment": env,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "repeats": args.repeats,
-        "rows": rows,
-        "strict_digests_across_loaders": [
-            {"model": m, "amp": a, "distinct": k} for m, a, k in across
-        ],
-    }
+    record = base_record(args, env, command, date, rows)
+    record["strict_digests_across_loaders"] = [
+        {"model": m, "amp": a, "distinct": k} for m, a, k in across
+    ]
     lines = [
         f"# Throughput, strict vs fast, {date}",
         "",
@@ -499,16 +506,7 @@ def main_reference(args: argparse.Namespace) -> int:
         + ", ".join(f"{m} {f / 1e9:.3f} GFLOP" for m, f in flops.items())
         + f". Ceiling: the H200's measured bf16 matmul rate, {H200_BF16_TFLOPS:.0f} TFLOP/s.",
     ]
-    record = {
-        "date": date,
-        "command": command,
-        "environment": env,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "repeats": args.repeats,
-        "rows": rows,
-        "flops_per_image": flops,
-    }
+    record = {**base_record(args, env, command, date, rows), "flops_per_image": flops}
     kind = f"reference-{args.label}" if args.label else "reference"
     write_results(args.out, kind, date, env, "\n".join(lines) + "\n", record)
     return 0
