@@ -533,10 +533,10 @@ CROP_PAD = 4
 def crop_flip_batch(
     images: torch.Tensor, params: torch.Tensor, pad: int = CROP_PAD, fill: int = 0
 ) -> torch.Tensor:
-    """:func:`random_crop_flip` for a whole N×C×H×W batch at once, on its device: ``params``
-    holds each sample's (dy, dx, flip). Pure data movement (pad with ``fill``, then one gather
-    of every output pixel's source), so the bytes equal :func:`random_crop_flip`'s, image by
-    image."""
+    """Pad each image of an N×C×H×W batch with ``pad`` pixels of ``fill``, crop it back to
+    H×W at offset (dy, dx) and flip it horizontally if asked, on its device: ``params`` holds
+    each sample's (dy, dx, flip). Pure data movement (one gather of every output pixel's
+    source), so the bytes equal the naive crop's, image by image (tested)."""
     n, c, h, w = images.shape
     params = params.to(images.device)
     dy, dx, flip = params[:, 0:1], params[:, 1:2], params[:, 2:3].bool()
