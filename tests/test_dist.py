@@ -333,11 +333,37 @@ def test_running_stats_refuse_what_they_cannot_reconcile():
             return self.b(x) if use_b else self.a(x)
 
     model = Skips()
+    kept_a, kept_b = (
+        {k: getattr(m, k) for k in ("running_mean", "running_var", "num_batches_tracked")}
+        for m in (model.a, model.b)
+    )
     stats = RunningStats(model)
     with pytest.raises(RuntimeError, match="b did not run"):
         with stats.capture():
             model(torch.randn(4, 3))
-    assert model.a.track_running_stats and model.b.track_running_stats  # restored
+    # the layers got their own buffers and momentum back, even from a forward that failed
+    for layer, buffers in ((model.a, kept_a), (model.b, kept_b)):
+        assert all(getattr(layer, k) is v for k, v in buffers.items())
+        assert layer.momentum == 0.1
+    with pytest.raises(ValueError):
+        with stats.capture():
+            raise ValueError("the forward failed")
+    assert all(getattr(model.a, k) is v for k, v in kept_a.items())
+
+
+def test_running_stats_leave_the_buffers_alone_during_the_forward():
+    """Inside capture() the layers' real buffers are not written (the kernel writes its
+    batch statistics to scratch buffers); update() then folds them in."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    stats = RunningStats(model)
+    with stats.capture() as recorded:
+        model(torch.randn(8, 3, 6, 6))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    mean, var = recorded
+    assert mean.abs().sum() > 0 and var.abs().sum() > 0  # the batch's, not the zeros
+    stats.update([recorded])
+    assert not torch.equal(model[1].running_mean, before["1.running_mean"])
 
 
 def test_resume_compares_the_reduction_and_accepts_checkpoints_from_before_it():

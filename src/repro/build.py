@@ -18,6 +18,7 @@ The loop, ``repro doctor`` and the scripts build through here, never through the
 
 from __future__ import annotations
 
+import functools
 import inspect
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -207,6 +208,12 @@ class Training:
     running_stats: RunningStats  # BatchNorm buffers, folded in micro-batch order
     seed: int  # the training seed (forward randomness is keyed by it)
     batch_size: int  # the global batch B: each micro-batch's summed loss is divided by it
+
+    @functools.cached_property
+    def parameters(self) -> list[nn.Parameter]:
+        """The model's parameters in ``model.parameters()`` order, listed once: walking the
+        module tree again every step is host time a GPU step waits for."""
+        return list(self.model.parameters())
 
 
 def build_training(cfg: DictConfig, data: DataSplits, device: torch.device) -> Training:

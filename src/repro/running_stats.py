@@ -5,13 +5,15 @@ micro-batch of fixed size, so the forward pass is the same on any rank. But PyTo
 folds each batch's statistics into the running buffers as it goes, so a process that computes
 micro-batches 2 and 3 of a step would end with other buffers than one that computes 0 to 3.
 
-:class:`RunningStats` defers that update: during a training forward the layers leave their
-buffers alone (``track_running_stats`` off for the call) and a pre-hook records each layer's
-mean and unbiased variance of its input. After the step, :meth:`RunningStats.update` folds
-the K micro-batches' statistics into the buffers in micro-batch order, with PyTorch's
-formula (``momentum``, or the cumulative average when it is None). Every rank gets all K
-micro-batches' statistics (:class:`repro.dist.Reducer`), so every rank, and a single process,
-make the same updates in the same order.
+:class:`RunningStats` defers that update. During a training forward each layer's running
+buffers are swapped for zeroed scratch buffers and its momentum for 1, so BatchNorm's own
+kernel writes its batch mean and unbiased variance there (``1 * batch + 0 * 0``: exact) and
+leaves the real buffers alone; no second pass over the activations computes them again.
+After the step, :meth:`RunningStats.update` folds the K micro-batches' statistics into the
+buffers in micro-batch order, with PyTorch's formula (``momentum``, or the cumulative
+average when it is None). Every rank gets all K micro-batches' statistics
+(:class:`repro.dist.Reducer`), so every rank, and a single process, make the same updates in
+the same order.
 """
 
 from __future__ import annotations
@@ -48,10 +50,11 @@ class RunningStats:
                 )
             if m.running_mean is not None:
                 self.layers.append((name, m))
-        self._recorded: list[torch.Tensor | None] | None = None
-        # registered once: they record only inside capture() (a no-op in evaluation)
-        for i, (_, m) in enumerate(self.layers):
-            m.register_forward_pre_hook(partial(self._record, i))
+        self._norms = [m for _, m in self.layers]
+        self._ran: list[bool] | None = None
+        # registered once: they count calls only inside capture() (a no-op in evaluation)
+        for i, m in enumerate(self._norms):
+            m.register_forward_pre_hook(partial(self._count, i))
 
     def __bool__(self) -> bool:
         return bool(self.layers)
@@ -59,45 +62,70 @@ class RunningStats:
     @contextmanager
     def capture(self) -> Iterator[list[torch.Tensor]]:
         """Around one micro-batch's training forward: yields the list that receives, per
-        layer (in the model's module order, whatever order the forward calls them in), its
-        input's mean and unbiased variance (float32). Raises if a layer runs twice or not
-        at all: its running statistics could not be reconciled."""
+        layer (in the model's module order, whatever order the forward calls them in), the
+        batch mean and unbiased variance its kernel computed (in the buffers' dtype). Raises
+        if a layer runs twice or not at all: its running statistics could not be
+        reconciled."""
         recorded: list[torch.Tensor] = []
         if not self.layers:
             yield recorded
             return
-        slots: list[torch.Tensor | None] = [None] * (2 * len(self.layers))
-        for _, m in self.layers:
-            m.track_running_stats = False  # normalise with batch statistics, update nothing
-        self._recorded = slots
+        scratch = self._scratch()
+        saved = []
+        for m, (mean, var) in zip(self._norms, scratch, strict=True):
+            # the dicts nn.Module.__setattr__ writes to, without its checks: this runs for
+            # every layer and micro-batch, on a step bound by host time on GPUs
+            b = m._buffers
+            saved.append((b["running_mean"], b["running_var"], b["num_batches_tracked"]))
+            b["running_mean"], b["running_var"] = mean, var
+            b["num_batches_tracked"] = None  # no counter to add to: momentum is used as is
+            saved[-1] += (m.__dict__["momentum"],)
+            m.__dict__["momentum"] = 1.0
+        ran = self._ran = [False] * len(self.layers)
         try:
             yield recorded
         finally:
-            self._recorded = None
-            for _, m in self.layers:
-                m.track_running_stats = True
-        missing = [self.layers[i // 2][0] for i in range(0, len(slots), 2) if slots[i] is None]
+            self._ran = None
+            for m, (mean, var, tracked, momentum) in zip(self._norms, saved, strict=True):
+                b = m._buffers
+                b["running_mean"], b["running_var"], b["num_batches_tracked"] = mean, var, tracked
+                m.__dict__["momentum"] = momentum
+        missing = [name for (name, _), r in zip(self.layers, ran, strict=True) if not r]
         if missing:
             raise RuntimeError(
                 f"RunningStats: BatchNorm layer(s) {', '.join(missing)} did not run in this "
                 "training forward; a layer that runs on some micro-batches only cannot have "
                 "its running statistics reconciled in a fixed order."
             )
-        recorded += slots  # type: ignore[arg-type]
+        for pair in scratch:
+            recorded += pair
 
-    def _record(self, i: int, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if self._recorded is None or not module.training:
+    def _scratch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Zeroed (mean, variance) buffers for every layer: views into one allocation per
+        dtype and device (one fill, not two per layer)."""
+        groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        for i, m in enumerate(self._norms):
+            rm = m.running_mean
+            groups.setdefault((rm.dtype, rm.device), []).append(i)
+        out: list[Any] = [None] * len(self._norms)
+        for (dtype, device), idx in groups.items():
+            sizes = [self._norms[i].running_mean.numel() for i in idx]
+            flat = torch.zeros(2 * sum(sizes), dtype=dtype, device=device)
+            views = flat.split(sizes + sizes)
+            for j, i in enumerate(idx):
+                out[i] = (views[j], views[len(idx) + j])
+        return out
+
+    def _count(self, i: int, module: nn.Module, args: tuple[Any, ...]) -> None:
+        ran = self._ran
+        if ran is None or not module.training:
             return
-        if self._recorded[2 * i] is not None:
+        if ran[i]:
             raise RuntimeError(
                 f"RunningStats: BatchNorm layer {self.layers[i][0]} ran twice in one forward; "
                 "its running statistics cannot be reconciled (use one layer per call)."
             )
-        x = args[0]
-        dims = [d for d in range(x.dim()) if d != 1]
-        with torch.no_grad():
-            var, mean = torch.var_mean(x.detach().float(), dim=dims, correction=1)
-        self._recorded[2 * i], self._recorded[2 * i + 1] = mean, var
+        ran[i] = True
 
     @torch.no_grad()
     def update(self, per_micro_batch: list[list[torch.Tensor]]) -> None:
@@ -108,7 +136,7 @@ class RunningStats:
         one for the counters, instead of four kernels per layer (the step is launch-bound on
         GPUs). The formula is BatchNorm's, ``(1 - m) * running + m * batch``, rounded after
         the multiply and after the add."""
-        layers = [m for _, m in self.layers]
+        layers = self._norms
         groups: dict[tuple[float, torch.dtype], list[int]] = {}
         cumulative: list[int] = []
         for i, m in enumerate(layers):
@@ -125,15 +153,11 @@ class RunningStats:
             for (factor, dtype), idx in groups.items():
                 buffers = [layers[i].running_mean for i in idx]
                 buffers += [layers[i].running_var for i in idx]
-                stats = [means[i].to(dtype) for i in idx] + [variances[i].to(dtype) for i in idx]
+                stats = [means[i] for i in idx] + [variances[i] for i in idx]
                 torch._foreach_mul_(buffers, 1 - factor)
                 torch._foreach_add_(buffers, stats, alpha=factor)
             for i in cumulative:  # cumulative moving average, as PyTorch does
                 m = layers[i]
                 factor = 1.0 / float(m.num_batches_tracked)
-                m.running_mean.mul_(1 - factor).add_(
-                    means[i].to(m.running_mean.dtype), alpha=factor
-                )
-                m.running_var.mul_(1 - factor).add_(
-                    variances[i].to(m.running_var.dtype), alpha=factor
-                )
+                m.running_mean.mul_(1 - factor).add_(means[i], alpha=factor)
+                m.running_var.mul_(1 - factor).add_(variances[i], alpha=factor)

@@ -45,7 +45,7 @@ def train_step(
     ranks' partial sums; BatchNorm statistics are folded in afterwards, in micro-batch order
     (:class:`repro.running_stats.RunningStats`)."""
     model, scaler, stats = training.model, training.precision.scaler, training.running_stats
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in training.parameters if p.requires_grad]
     device = params[0].device
     recorded: list[list[torch.Tensor]] = []
 
