@@ -8,6 +8,7 @@ import torch
 from conftest import train_here
 from repro.data import (
     DataSplits,
+    DeviceBatches,
     KeyedBatches,
     KeyedBatchSampler,
     TensorImages,
@@ -201,6 +202,28 @@ def test_the_device_loaders_index_tensors_are_the_samplers_micro_batches():
     tensors = list(itertools.islice(s.index_tensors(torch.device("cpu")), 4 * 5))
     for keys, (epoch, index) in zip(lists, tensors, strict=True):
         assert [(int(epoch), int(i)) for i in index] == keys
+
+
+@pytest.mark.parametrize("targets", ["labels", "masks"])
+@pytest.mark.parametrize("chunk_bytes", [1 << 27, 3 * 8 * 8 * 8], ids=["whole", "chunks-of-3"])
+def test_the_device_loader_cuts_the_workers_micro_batches(targets, chunk_bytes, monkeypatch):
+    """The device loader augments each epoch's split at once (in chunks when large) and
+    gathers micro-batches from it: byte for byte the micro-batches the worker loader's
+    dataset builds one by one, across an epoch boundary, for labels and masks."""
+    monkeypatch.setattr(DeviceBatches, "CHUNK_BYTES", chunk_bytes)
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (20, 3, 8, 8), dtype=torch.uint8, generator=g)
+    shape = (20,) if targets == "labels" else (20, 8, 8)
+    split = TensorImages(images, torch.randint(0, 4, shape, generator=g))
+    sampler = KeyedBatchSampler(dataset_size=20, batch_size=8, micro_batch_size=4, seed=3)
+    sampler.start_step = 1  # 2 steps an epoch: steps 1-4 cross two epoch boundaries
+    dataset = KeyedBatches(split, seed=3, augment=True)
+    keys = list(itertools.islice(iter(sampler), 8))
+    cut = list(itertools.islice(iter(DeviceBatches(dataset, sampler)), 8))
+    assert len({tensors_sha256(x) for x, _ in cut}) == 8  # the test sees different batches
+    for k, (x, y) in zip(keys, cut, strict=True):
+        want_x, want_y = dataset[k]
+        assert torch.equal(x, want_x) and torch.equal(y, want_y)
 
 
 def test_loader_on_device_gives_the_same_bits_as_the_worker_loader(tmp_path):

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -673,27 +673,55 @@ class KeyedBatchSampler:
 
 
 class DeviceBatches:
-    """``loader=device``: the training split lives on the device and each micro-batch is
-    gathered and augmented there (:meth:`KeyedBatches.fetch` over the device copy), with no
-    worker processes: the same keys, draws and bytes as the DataLoader path, so the choice
-    of loader cannot change the bits. The epoch's permutation goes to the device once, and
-    the epoch's draws for every sample are computed there at once; a micro-batch is then a
-    slice of the permutation, a lookup of its draws and one gather for the crop: no host
-    work per sample and no host-to-device copy per step."""
+    """``loader=device``: the training split lives on the device and every micro-batch is
+    cut there, with no worker processes: the same keys, draws and bytes as the DataLoader
+    path (:meth:`KeyedBatches.fetch`), so the choice of loader cannot change the bits.
+
+    At each epoch's start the whole split is cropped and flipped with that epoch's draws
+    (:meth:`KeyedBatches.fetch` over all of it, in chunks), into one augmented copy of the
+    split on the device; a micro-batch is then a slice of the epoch's permutation and one
+    gather of its images and targets. The crop is pure data movement, so augmenting a
+    sample with the epoch or with its micro-batch gives the same bytes; what changes is
+    the work on the host, which the loop's step waits for on a fast GPU: two launches a
+    micro-batch instead of a dozen. The cost is device memory for that copy (the split's
+    size again)."""
+
+    # at most this many bytes of gather indices (int64, one per output pixel) per chunk of
+    # the epoch's crop: bounds the transient memory of augmenting a large split
+    CHUNK_BYTES = 1 << 27
 
     def __init__(self, batches: KeyedBatches, sampler: KeyedBatchSampler) -> None:
         self.batches, self.sampler = batches, sampler
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        b = self.batches
-        device = getattr(b.split, "device", torch.device("cpu"))
-        held: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        device = getattr(self.batches.split, "device", torch.device("cpu"))
+        held: tuple[torch.Tensor | None, Any] = (None, None)
         for epoch, index in self.sampler.index_tensors(device):
             if held[0] is not epoch:  # a new epoch (index_tensors makes one tensor an epoch)
-                every = torch.arange(len(b.split), device=device)
-                held = (epoch, keyed_crop_flip_params(b.seed, epoch, every) if b.augment else None)
-            table = held[1]
-            yield b.fetch(epoch, index, table[index] if table is not None else None)
+                held = (epoch, self.augmented(epoch, device))
+            images, targets = held[1]
+            yield images[index], targets[index]
+
+    def augmented(self, epoch: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """The whole split as the epoch ``epoch`` sees it: cropped and flipped with its
+        draws (or as stored, without augmentation)."""
+        b = self.batches
+        every = torch.arange(len(b.split), device=device)
+        if not b.augment:
+            return b.split.fetch(every)
+        images, _ = b.split.fetch(every[:1])
+        chunk = max(1, self.CHUNK_BYTES // (images[0, 0].numel() * 8))
+        first = b.fetch(epoch, every[:chunk])
+        if chunk >= len(every):
+            return first
+        out = tuple(
+            torch.empty((len(every), *t.shape[1:]), dtype=t.dtype, device=t.device) for t in first
+        )
+        for i in range(0, len(every), chunk):
+            part = first if i == 0 else b.fetch(epoch, every[i : i + chunk])
+            for whole, t in zip(out, part, strict=True):
+                whole[i : i + len(t)] = t
+        return out
 
 
 def _init_worker(worker_id: int) -> None:
