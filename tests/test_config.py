@@ -89,6 +89,7 @@ def test_type_errors_fail_at_composition(override):
         (["trainer.max_steps=0"], "trainer.max_steps"),
         (["seed=-1"], "seed"),
         (["optim.lr=0"], "optim.lr"),
+        (["optim.clip_grad_norm=0"], "optim.clip_grad_norm=0 is invalid; allowed: a number > 0"),
         (["optim.lr=inf"], "optim.lr=inf is invalid; allowed: a finite number"),
         (["optim.weight_decay=-inf"], "optim.weight_decay=-inf is invalid"),
         (["data.noise=nan"], "data.noise=nan is invalid; allowed: a finite number"),

@@ -34,7 +34,7 @@ def test_tree_shape_is_fixed_and_halves_at_the_midpoint():
     assert shape(8) == "(((0+1)+(2+3))+((4+5)+(6+7)))"
 
 
-def _step(model, k, step=0, seed=0, same_inputs=False):
+def _step(model, k, step=0, seed=0, same_inputs=False, clip=None):
     x = torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     if same_inputs:
         x = x[:1].expand(8, -1, -1, -1).contiguous()
@@ -51,6 +51,7 @@ def _step(model, k, step=0, seed=0, same_inputs=False):
         running_stats=RunningStats(model),
         seed=seed,
         batch_size=8,
+        clip_grad_norm=clip,
     )
     seen = {}
 
@@ -70,6 +71,26 @@ def test_micro_batch_gradients_sum_to_the_full_batch_gradient():
     assert torch.allclose(l1, l4, atol=1e-6)
     assert torch.allclose(n1, n4, rtol=1e-5)
     assert all(torch.allclose(g1[k], g4[k], atol=1e-6) for k in g1)
+
+
+def test_clipping_is_torchs_clip_grad_norm_on_the_summed_gradients():
+    """optim.clip_grad_norm scales the step's summed gradients exactly as
+    torch.nn.utils.clip_grad_norm_ would (the global norm over all of them, foreach); the
+    norm the step returns is the one before clipping, as clip_grad_norm_'s is."""
+    torch.manual_seed(0)
+    model = ConvNet(10, width=8, dropout=0.0)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    _, norm, unclipped = _step(model, 2)
+    limit = float(norm) / 3  # clipping is active
+    model.load_state_dict(state)
+    _, clipped_norm, clipped = _step(model, 2, clip=limit)
+    assert torch.equal(clipped_norm, norm)
+    for name, p in model.named_parameters():
+        p.grad = unclipped[name].clone()
+    torch.nn.utils.clip_grad_norm_(list(model.parameters()), limit, foreach=True)
+    for name, p in model.named_parameters():
+        assert torch.equal(clipped[name], p.grad), name
+    assert not torch.equal(clipped["head.weight"], unclipped["head.weight"])
 
 
 def test_dropout_masks_are_keyed_by_step_and_micro_batch_not_the_global_rng():

@@ -27,10 +27,10 @@ from typing import Any
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from repro.config import locate
+from repro.config import LOOP_KEYS, locate
 from repro.data import DataSplits, DeviceBatches, make_train_loader
 from repro.dist import World, barrier, device_for
 from repro.errors import ConfigError, ReproError
@@ -135,7 +135,12 @@ def build_task(cfg: DictConfig, data: DataSplits) -> Task:
 def build_optimizer(cfg: DictConfig, model: nn.Module) -> torch.optim.Optimizer:
     """``cfg.optim`` is a ``_partial_`` target (``torch.optim.SGD`` ...) called with the
     trainable parameters."""
-    make = instantiate_target(cfg.optim, "optim")
+    node = cfg.optim
+    loop_keys = LOOP_KEYS["optim"] & set(node)
+    if loop_keys:  # read by the step, not arguments of the optimizer
+        kept = OmegaConf.to_container(node, resolve=True)
+        node = OmegaConf.create({k: v for k, v in kept.items() if k not in loop_keys})
+    make = instantiate_target(node, "optim")
     return _call(make, "optim", model.parameters())
 
 
@@ -208,6 +213,7 @@ class Training:
     running_stats: RunningStats  # BatchNorm buffers, folded in micro-batch order
     seed: int  # the training seed (forward randomness is keyed by it)
     batch_size: int  # the global batch B: each micro-batch's summed loss is divided by it
+    clip_grad_norm: float | None = None  # optim.clip_grad_norm: the global norm's limit
 
     @functools.cached_property
     def parameters(self) -> list[nn.Parameter]:
@@ -228,4 +234,9 @@ def build_training(cfg: DictConfig, data: DataSplits, device: torch.device) -> T
         running_stats=RunningStats(model),
         seed=int(cfg.seed),
         batch_size=int(cfg.trainer.batch_size),
+        clip_grad_norm=_optional_float(cfg.optim.get("clip_grad_norm")),
     )
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)

@@ -330,6 +330,8 @@ TARGET_GROUPS = {
     "optim": {"params"},  # _partial_: called with the model's parameters
     "schedule": {"optimizer", "max_steps"},  # _partial_: called with the optimizer
 }
+# Keys of a group that the loop reads itself: never passed to the group's _target_.
+LOOP_KEYS = {"optim": {"clip_grad_norm"}}
 # Fused, foreach and for-loop optimizers are each deterministic but not bit-equal, and
 # PyTorch's default choice depends on the device: the config states it.
 IMPLEMENTATION_KEYS = ("foreach", "fused")
@@ -353,6 +355,11 @@ def _validate_target(cfg: DictConfig, group: str) -> None:
 
 
 def _validate_optim(o: DictConfig) -> None:
+    clip = o.get("clip_grad_norm")
+    if clip is not None and (
+        isinstance(clip, bool) or not isinstance(clip, int | float) or not clip > 0
+    ):
+        _fail("optim.clip_grad_norm", clip, "a number > 0, or null (no clipping)")
     if "lr" in o and not o.lr > 0:
         _fail("optim.lr", o.lr, "a number > 0")
     if o.get("weight_decay", 0) < 0:
@@ -391,7 +398,7 @@ def _check_arguments(group: str, node: DictConfig, target: Any) -> None:
     params = signature.parameters
     takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
     for key, value in node.items():
-        if key.startswith("_"):
+        if key.startswith("_") or key in LOOP_KEYS.get(group, ()):
             continue
         if key not in params and not takes_kwargs:
             allowed = ", ".join(k for k in params if k not in TARGET_GROUPS[group]) or "none"

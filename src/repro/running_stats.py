@@ -150,7 +150,7 @@ class RunningStats:
             if len(means) != len(layers):
                 raise RuntimeError("RunningStats.update: statistics of another model")
             torch._foreach_add_(tracked, 1)
-            for (factor, dtype), idx in groups.items():
+            for (factor, _dtype), idx in groups.items():
                 buffers = [layers[i].running_mean for i in idx]
                 buffers += [layers[i].running_var for i in idx]
                 stats = [means[i] for i in idx] + [variances[i] for i in idx]

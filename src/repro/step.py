@@ -73,6 +73,9 @@ def train_step(
         if not bool(finite):  # the host synchronisation
             training.optimizer.zero_grad(set_to_none=True)
             raise NotFinite(loss, grad_norm)
+    if training.clip_grad_norm is not None:  # torch.nn.utils.clip_grad_norm_'s formula
+        coef = torch.clamp(training.clip_grad_norm / (grad_norm + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coef)  # the global norm of the reduced gradients: any W
     if stats:  # after the check: a step that is not applied leaves the statistics alone
         stats.update(recorded)
     scaler.step(training.optimizer)
