@@ -8,7 +8,9 @@ SIGKILLs, SIGTERM, SIGUSR1/2, Ctrl-C); runs that die on an error, the uninterrup
 and the resumes train in this process (conftest.train_here), so the bits are also shown
 not to depend on which process trained them."""
 
+import csv
 import errno
+import json
 import os
 import shutil
 import signal
@@ -30,7 +32,7 @@ from conftest import (
     user_env,
     with_tests_on_path,
 )
-from repro.checkpoint import checkpoint_path, save_checkpoint, sidecar
+from repro.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint, sidecar
 from repro.compare import compare_dirs
 from repro.errors import (
     INTERRUPTED_EXIT_CODE,
@@ -39,6 +41,8 @@ from repro.errors import (
     ConfigError,
     Preempted,
 )
+from repro.tasks import Classification
+from repro.trace import state_dict_sha256
 
 STEPS = 40
 # strict (the default), 2 loader workers, dropout on (the ConvNet's default 0.1, at width 16)
@@ -142,6 +146,13 @@ def assert_same_as(run: Run, reference: Run) -> None:
     result = compare_dirs(reference.dir, run.dir)
     assert result.identical, result.text()
     assert result.lines[0].startswith(f"identical: {STEPS} steps")
+    # the best evaluation's checkpoint too, wherever the run was interrupted
+    assert run.summary["best"] == reference.summary["best"]
+    assert best_weights(run) == best_weights(reference)
+
+
+def best_weights(run: Run) -> str:
+    return state_dict_sha256(load_checkpoint(run.dir / "best.pt")["model"])
 
 
 @pytest.mark.e2e
@@ -529,6 +540,66 @@ def test_resume_from_another_run_directory_continues_its_logs(killed, straight, 
     resumed = train_here(tmp_path / "new", *SCENARIOS["mid-epoch"], f"trainer.resume={killed}")
     assert resumed.summary["resumes"][0]["step"] == 20
     assert_same_as(resumed, straight("mid-epoch"))
+
+
+@pytest.mark.e2e
+def test_best_pt_is_the_checkpoint_of_the_best_evaluation(straight):
+    """best.pt holds the state after the step whose evaluation had the best headline (the
+    first of equal ones), verified by its sidecar; summary.json names it."""
+    run = straight("mid-epoch")
+    headline = run.summary["headline"]
+    with open(run.dir / "eval.csv") as f:
+        evaluations = [(float(row[headline]), int(row["step"])) for row in csv.DictReader(f)]
+    assert len(evaluations) == 2
+    value = max(v for v, _ in evaluations)  # accuracy: higher is better
+    step = next(s for v, s in evaluations if v == value)
+    assert run.summary["best"] == {
+        "step": step,
+        "metric": headline,
+        "value": value,
+        "file": "best.pt",
+    }
+    best = load_checkpoint(run.dir / "best.pt")  # refuses a file its sidecar does not match
+    assert best["step"] == step and best["best"]["step"] == step
+    trace = [json.loads(line) for line in (run.dir / "trace.jsonl").read_text().splitlines()]
+    traced = next(r for r in trace if r.get("step") == step and r.get("weights_sha256"))
+    assert state_dict_sha256(best["model"]) == traced["weights_sha256"]
+
+
+class HighestLossIsBest(Classification):
+    """A task whose best evaluation is the one with the highest loss: an early one, which
+    later evaluations do not beat (the test below needs a best before the resume point)."""
+
+    headline = "val_loss"
+    higher_is_better = True
+
+
+@pytest.mark.e2e
+def test_a_best_evaluation_before_the_resume_point_survives_rotation_and_resumes(tmp_path):
+    """The best is recorded in every checkpoint after it: a run resumed in its directory, or
+    from another one (whose best.pt it adopts), ends with the uninterrupted run's best.pt,
+    long after that step's own checkpoint was rotated away."""
+    args = [
+        "trainer.max_steps=12",
+        "trainer.eval_every=4",
+        "trainer.checkpoint_every=4",
+        "trainer.keep_checkpoints=1",
+        *SMALL_DATA,
+        "model.width=8",
+        "loader=single",
+        "task._target_=test_resume.HighestLossIsBest",
+    ]
+    straight_run = train_here(tmp_path / "straight", *args)
+    best_step = straight_run.summary["best"]["step"]
+    assert best_step <= 8 and not checkpoint_path(straight_run.dir, best_step).exists()
+    crash(tmp_path / "a", args, after=10)
+    in_place = resume(tmp_path / "a", args)  # from step 8
+    crash(tmp_path / "b", args, after=10)
+    elsewhere = train_here(tmp_path / "c", *args, f"trainer.resume={tmp_path / 'b'}")
+    for run in (in_place, elsewhere):
+        assert run.summary["resumes"][0]["step"] == 8
+        assert run.summary["best"] == straight_run.summary["best"]
+        assert best_weights(run) == best_weights(straight_run)
 
 
 @pytest.mark.e2e

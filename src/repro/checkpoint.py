@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import math
 import os
 import pickle
 import re
@@ -27,7 +28,7 @@ import torch
 
 from repro.config import flatten
 from repro.errors import CheckpointError
-from repro.files import CHECKPOINT_DIR
+from repro.files import BEST_FILE, CHECKPOINT_DIR
 from repro.rng import global_rng_states, set_global_rng_states
 
 if TYPE_CHECKING:
@@ -198,9 +199,11 @@ def rotate(run_dir: Path, keep: int) -> list[Path]:
 
 
 def remove_partial_writes(run_dir: Path) -> list[Path]:
-    """Temporary files left by a write that was killed before its rename."""
+    """Temporary files left by a write that was killed before its rename: the checkpoints'
+    and ``best.pt``'s."""
     folder = Path(run_dir) / CHECKPOINT_DIR
     leftovers = list(folder.glob(".*.tmp")) if folder.is_dir() else []
+    leftovers += list(Path(run_dir).glob(f".{BEST_FILE}.*.tmp"))
     for p in leftovers:
         p.unlink(missing_ok=True)
     return leftovers
@@ -359,7 +362,8 @@ class RunIdentity:
 class Checkpointer:
     """Writes a run's checkpoints (``checkpoints/step-N.pt`` + sidecar): everything a resume
     needs to continue with the uninterrupted run's bits, then a read-back check
-    (:func:`mark_good`) and rotation to the newest ``keep``."""
+    (:func:`mark_good`) and rotation to the newest ``keep``. And ``best.pt``: the checkpoint
+    of the evaluation with the best headline metric so far (:meth:`consider_best`)."""
 
     def __init__(
         self,
@@ -369,19 +373,46 @@ class Checkpointer:
         keep: int,
         steps_per_epoch: int,
         resumes: list[dict[str, Any]],
+        best: dict[str, Any] | None = None,
     ) -> None:
         self.run_dir, self.training, self.identity = Path(run_dir), training, identity
         self.keep, self.steps_per_epoch, self.resumes = keep, steps_per_epoch, resumes
         self.last_saved: int | None = None
+        self.best = best  # {"step", "metric", "value"} of the best evaluation so far
 
     def save(self, step: int, logs: Any) -> Path:
         """Flush ``logs`` (a :class:`repro.logs.TrainingLog`) first, so that the logs on
         disk cover every step the checkpoint does; its ``last`` values (the latest loss and
         metrics) go into the checkpoint."""
+        path = checkpoint_path(self.run_dir, step)
+        save_checkpoint(path, self._state(step, logs))
+        if not mark_good(path):
+            log.warning(f"{path}: did not verify when read back; keeping the last good one")
+        rotate(self.run_dir, self.keep)
+        self.last_saved = step
+        return path
+
+    def consider_best(self, step: int, metrics: dict[str, float], logs: Any) -> bool:
+        """After the evaluation at ``step``: if its headline metric is finite and strictly
+        better than every earlier one (the first of equal ones is kept), write ``best.pt``
+        (atomically, with its sidecar, outside the rotation). Called before that step's
+        periodic checkpoint, which then records this best for a resume."""
+        task = self.training.task
+        value = metrics.get(task.headline)
+        if value is None or not math.isfinite(value):
+            return False
+        if self.best is not None:
+            old = self.best["value"]
+            if not (value > old if task.higher_is_better else value < old):
+                return False
+        self.best = {"step": step, "metric": task.headline, "value": float(value)}
+        save_checkpoint(self.run_dir / BEST_FILE, self._state(step, logs))
+        return True
+
+    def _state(self, step: int, logs: Any) -> dict[str, Any]:
         logs.flush(wait=True)
         t, ident = self.training, self.identity
-        path = checkpoint_path(self.run_dir, step)
-        state = {
+        return {
             "format": CHECKPOINT_FORMAT,
             "model": t.model.state_dict(),
             "optimizer": t.optimizer.state_dict(),
@@ -397,13 +428,8 @@ class Checkpointer:
             "config_hash": ident.config_hash,
             "environment": ident.environment,
             "resumes": self.resumes,
+            "best": self.best,
         }
-        save_checkpoint(path, state)
-        if not mark_good(path):
-            log.warning(f"{path}: did not verify when read back; keeping the last good one")
-        rotate(self.run_dir, self.keep)
-        self.last_saved = step
-        return path
 
 
 def cannot_restore(training: Training, state: dict[str, Any]) -> str | None:

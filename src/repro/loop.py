@@ -50,7 +50,7 @@ from repro.dist import init as init_world
 from repro.doctor import explain_nondeterministic_op
 from repro.errors import Diverged
 from repro.evaluation import check_task, evaluate
-from repro.files import ENV_FILE, SUMMARY_FILE
+from repro.files import BEST_FILE, ENV_FILE, SUMMARY_FILE
 from repro.fingerprint import environment, run_fingerprint
 from repro.logs import NullLog, TrainingLog
 from repro.preemption import Preemption
@@ -134,9 +134,7 @@ def _train(
     describe(run, training, data, count)
     metric_names = check_task(training, data.val, normalize) if world.main else []
     logs = open_logs(run, training, steps_per_epoch, metric_names, resume)
-    checkpoints = Checkpointer(
-        run.dir, training, run.identity, int(t.keep_checkpoints), steps_per_epoch, resumes
-    )
+    checkpoints = open_checkpoints(run, training, steps_per_epoch, resumes, resume)
     tracer = StepTracer(bool(t.trace), int(t.trace_every), max_steps, world)
     training.model.train()
     with (
@@ -189,6 +187,8 @@ def _train(
                     "training on (trainer.on_nonfinite=continue)"
                 )
                 warned = True
+            if metrics is not None:  # before the step's checkpoint, which records the best
+                checkpoints.consider_best(done, metrics, logs)
             if world.main and due(done, int(t.checkpoint_every), max_steps):
                 checkpoints.save(done, logs)
             if preemption.poll(done):
@@ -299,9 +299,23 @@ def restore(run: Run, training: Training, resume: ResumePoint) -> list[dict[str,
     this = {"from": str(resume.path), "step": resume.step, "forced": resume.forced}
     resumes = [*resume.history, {**this, "world_size": run.world.size}]
     if run.world.main:
-        adopt_logs(resume.source_run, run.dir)
+        adopt_logs(resume.source_run, run.dir, resume.best)
     log.info(f"resumed from {resume.path} at step {resume.step}")
     return resumes
+
+
+def open_checkpoints(
+    run: Run,
+    training: Training,
+    steps_per_epoch: int,
+    resumes: list[dict[str, Any]],
+    resume: ResumePoint | None,
+) -> Checkpointer:
+    """The run's checkpoint writer, knowing the best evaluation so far (from the checkpoint
+    when resuming)."""
+    keep = int(run.cfg.trainer.keep_checkpoints)
+    best = resume.best if resume else None
+    return Checkpointer(run.dir, training, run.identity, keep, steps_per_epoch, resumes, best=best)
 
 
 def describe(run: Run, training: Training, data: Any, count: int) -> None:
@@ -383,6 +397,7 @@ def finish(
         "run_dir": str(run.dir),
         **clock.summary(),
         "wall_seconds": time.perf_counter() - run.started,
+        "best": {**checkpoints.best, "file": BEST_FILE} if checkpoints.best else None,
         "resumes": checkpoints.resumes,
         "environment": run.identity.environment,
     }

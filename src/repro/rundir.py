@@ -28,12 +28,15 @@ from repro.checkpoint import (
     RunIdentity,
     atomic_write,
     find_resume_point,
+    load_checkpoint,
     mismatches,
     remove_partial_writes,
     set_aside,
+    sidecar,
 )
 from repro.errors import CheckpointError, ConfigError
 from repro.files import (
+    BEST_FILE,
     CHECKPOINT_DIR,
     ENV_FILE,
     ERROR_FILE,
@@ -59,12 +62,14 @@ class ResumePoint:
     step: int = 0
     last: dict[str, Any] = field(default_factory=dict)  # the loss and metrics logged last
     history: list[dict[str, Any]] = field(default_factory=list)  # earlier resumes of the run
+    best: dict[str, Any] | None = None  # the best evaluation up to the checkpoint's step
 
     def __post_init__(self) -> None:
         if self.state is not None:
             self.step = int(self.state["step"])
             self.last = dict(self.state.get("last") or {})
             self.history = list(self.state.get("resumes") or [])
+            self.best = self.state.get("best")
 
     @property
     def source_run(self) -> Path:
@@ -171,6 +176,7 @@ RUN_FILES = {
     SUMMARY_FILE,
     ERROR_FILE,
     CHECKPOINT_DIR,
+    BEST_FILE,
     "rerun",
 }
 
@@ -281,13 +287,29 @@ def _when(started: Any) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
 
 
-def adopt_logs(source_run: Path, run_dir: Path) -> None:
-    """Resuming from another run's directory: start from its logs."""
+def adopt_logs(source_run: Path, run_dir: Path, best: dict[str, Any] | None = None) -> None:
+    """Resuming from another run's directory: start from its logs, and from its ``best.pt``
+    when that is the checkpoint's best so far (``best``: not one a later evaluation of the
+    source run wrote, which this run will reach again)."""
     if source_run.resolve() == run_dir.resolve():
         return
     for name in LOG_FILES:
         if (source_run / name).is_file():
             shutil.copyfile(source_run / name, run_dir / name)
+    source = source_run / BEST_FILE
+    if best is None or not source.is_file():
+        return
+    try:
+        held = load_checkpoint(source).get("best")
+    except CheckpointError:
+        return  # damaged: this run writes its own at its next best evaluation
+    if held == best:  # each copy renamed into place whole, as every checkpoint is
+        for src, dst in (
+            (source, run_dir / BEST_FILE),
+            (sidecar(source), sidecar(run_dir / BEST_FILE)),
+        ):
+            data = src.read_bytes()
+            atomic_write(dst, lambda f, data=data: f.write(data))
 
 
 def write_json(path: Path, obj: Any) -> None:
