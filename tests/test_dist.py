@@ -145,15 +145,16 @@ def test_preempted_two_process_run_resumes_in_one_process_with_the_same_bits(run
 @pytest.mark.e2e
 def test_batchnorm_running_statistics_do_not_depend_on_the_world_size(tmp_path):
     """ResNet-18 (BatchNorm) at width 8: the running buffers are folded in micro-batch order
-    on every rank, so they too are the same bits. With gradient clipping on: the global norm
-    is that of the reduced gradients, the same on every rank."""
+    on every rank, so they too are the same bits. With gradient clipping on (the global norm
+    is that of the reduced gradients, the same on every rank) and a weight average."""
     small_resnet = [*SMALL, "model=resnet18", "model.width=8", "trainer.max_steps=4"]
-    small_resnet.append("optim.clip_grad_norm=0.5")
+    small_resnet += ["optim.clip_grad_norm=0.5", "trainer.ema.decay=0.5"]
     one = train_here(tmp_path / "one", *small_resnet)
     two = run_train(tmp_path / "two", *small_resnet, nproc=2)
     assert_same_bits(two, one)
     norms = [float(row["grad_norm"]) for row in csv.DictReader(metrics(one).splitlines())]
     assert max(norms) > 0.5  # clipping was active
+    assert two.summary["ema"] == one.summary["ema"] is not None  # and the weight average
     state = torch.load(two.dir / "checkpoint.pt", weights_only=True)["model"]
     assert int(state["stem.1.num_batches_tracked"]) == 4 * 4  # 4 steps x 4 micro-batches
 

@@ -1,10 +1,13 @@
 """The step: a fixed reduction tree over micro-batches, keyed dropout, the schedule."""
 
+import pytest
 import torch
 from omegaconf import OmegaConf
 
 from repro.build import Precision, Training, build_model
 from repro.data import synthetic
+from repro.ema import WeightAverage
+from repro.errors import CheckpointError
 from repro.models import ConvNet
 from repro.reduction import tree_reduce
 from repro.running_stats import RunningStats
@@ -137,3 +140,33 @@ def test_cosine_schedule_with_warmup():
         sched.step()
     assert lrs[:3] == [0.5, 1.0, 1.0]
     assert lrs[3] < 1.0 and lrs == sorted(lrs[:2]) + sorted(lrs[2:], reverse=True)
+
+
+def test_the_weight_average_is_the_formula_and_leaves_the_weights_alone():
+    """trainer.ema: a copy up to ``start``, then decay * average + (1 - decay) * weights,
+    per element as written; inside applied() the model holds the averages, afterwards its
+    own weights bit for bit; a checkpoint's averages load only into the same model."""
+    torch.manual_seed(0)
+    model = ConvNet(10, width=8, dropout=0.0)
+    ema = WeightAverage(model, decay=0.75, start=1)
+    expected = [p.detach().clone() for p in model.parameters()]
+    for done in (1, 2, 3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        ema.update(done)
+        for i, p in enumerate(model.parameters()):
+            expected[i] = p.detach().clone() if done <= 1 else expected[i] * 0.75 + p * 0.25
+    assert all(torch.equal(a, e) for a, e in zip(ema.average, expected, strict=True))
+    own = {k: v.clone() for k, v in model.state_dict().items()}
+    with ema.applied():
+        assert all(torch.equal(p, e) for p, e in zip(model.parameters(), expected, strict=True))
+    assert all(torch.equal(v, own[k]) for k, v in model.state_dict().items())
+    again = WeightAverage(model, decay=0.75, start=1)
+    again.load_state_dict(ema.state_dict(), "ckpt.pt")
+    assert again.digest() == ema.digest() != WeightAverage(model, 0.75).digest()
+    other = WeightAverage(ConvNet(10, width=4), 0.75)
+    with pytest.raises(CheckpointError, match="ckpt.pt: its weight average of .* does not fit"):
+        other.load_state_dict(ema.state_dict(), "ckpt.pt")
+    with pytest.raises(CheckpointError, match="ckpt.pt: its weight average .* is missing"):
+        other.load_state_dict(None, "ckpt.pt")

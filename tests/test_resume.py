@@ -266,7 +266,7 @@ def test_a_full_or_read_only_disk_is_one_line_and_the_run_resumes_exactly(
     real = repro.checkpoint.save_checkpoint
 
     def failing(path, state):
-        if state["step"] == 20:
+        if state["step"] == 20 and Path(path).parent.name == "checkpoints":
             raise OSError(code, os.strerror(code), str(path))
         return real(path, state)
 
@@ -600,6 +600,32 @@ def test_a_best_evaluation_before_the_resume_point_survives_rotation_and_resumes
         assert run.summary["resumes"][0]["step"] == 8
         assert run.summary["best"] == straight_run.summary["best"]
         assert best_weights(run) == best_weights(straight_run)
+
+
+@pytest.mark.e2e
+def test_the_weight_average_resumes_and_changes_the_evaluations_not_the_training(tmp_path):
+    """trainer.ema: the average is in every checkpoint, so a crashed and resumed run ends with
+    the uninterrupted run's average and evaluations; the weights themselves are those of the
+    same run without it."""
+    args = [
+        "trainer.max_steps=12",
+        "trainer.eval_every=6",
+        "trainer.checkpoint_every=4",
+        *SMALL_DATA,
+        "model.width=8",
+        "loader=single",
+    ]
+    ema = [*args, "trainer.ema.decay=0.8", "trainer.ema.start=2"]
+    straight_run = train_here(tmp_path / "straight", *ema)
+    crash(tmp_path / "crashed", ema, after=10)
+    resumed = resume(tmp_path / "crashed", ema)  # from step 8
+    assert resumed.summary["resumes"][0]["step"] == 8
+    assert resumed.summary["ema"] == straight_run.summary["ema"]
+    assert (resumed.dir / "eval.csv").read_text() == (straight_run.dir / "eval.csv").read_text()
+    plain = train_here(tmp_path / "plain", *args)
+    assert plain.summary["ema"] is None
+    assert plain.summary["weights_sha256"] == straight_run.summary["weights_sha256"]
+    assert (plain.dir / "eval.csv").read_text() != (straight_run.dir / "eval.csv").read_text()
 
 
 @pytest.mark.e2e

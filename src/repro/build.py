@@ -33,6 +33,7 @@ from torch import nn
 from repro.config import LOOP_KEYS, locate
 from repro.data import DataSplits, DeviceBatches, make_train_loader
 from repro.dist import World, barrier, device_for
+from repro.ema import WeightAverage
 from repro.errors import ConfigError, ReproError
 from repro.rng import derive_seed
 from repro.running_stats import RunningStats
@@ -214,6 +215,7 @@ class Training:
     seed: int  # the training seed (forward randomness is keyed by it)
     batch_size: int  # the global batch B: each micro-batch's summed loss is divided by it
     clip_grad_norm: float | None = None  # optim.clip_grad_norm: the global norm's limit
+    ema: WeightAverage | None = None  # trainer.ema: the weights evaluations see
 
     @functools.cached_property
     def parameters(self) -> list[nn.Parameter]:
@@ -235,7 +237,12 @@ def build_training(cfg: DictConfig, data: DataSplits, device: torch.device) -> T
         seed=int(cfg.seed),
         batch_size=int(cfg.trainer.batch_size),
         clip_grad_norm=_optional_float(cfg.optim.get("clip_grad_norm")),
+        ema=_weight_average(cfg.trainer.ema, model),
     )
+
+
+def _weight_average(ema: DictConfig, model: nn.Module) -> WeightAverage | None:
+    return None if ema.decay is None else WeightAverage(model, ema.decay, ema.start)
 
 
 def _optional_float(value: Any) -> float | None:

@@ -225,12 +225,15 @@ RELEVANT_CONFIG = (
     "trainer.max_steps",
     "trainer.compile",  # compiled kernels are other kernels
     "trainer.channels_last",  # so are those of another memory format
+    "trainer.ema",  # the evaluations (and best.pt) see the average
 )
 # Keys that checkpoints written before they existed lack, and what their absence meant then.
 ABSENT_MEANS = {
     "dist.reduction": "ordered",
     "trainer.compile": "off",
     "trainer.channels_last": False,
+    "trainer.ema.decay": None,
+    "trainer.ema.start": 0,
 }
 # Relevant-looking keys that cannot change the bits of a resumed run: the NCCL settings only
 # matter to dist.reduction=all_reduce, which is compared itself; filling new tensors with
@@ -429,6 +432,7 @@ class Checkpointer:
             "environment": ident.environment,
             "resumes": self.resumes,
             "best": self.best,
+            "ema": t.ema.state_dict() if t.ema is not None else None,
         }
 
 
@@ -468,6 +472,8 @@ def restore_training(training: Training, state: dict[str, Any], path: Path) -> N
         training.schedule.load_state_dict(state["schedule"])
         training.precision.scaler.load_state_dict(state["scaler"])
         set_global_rng_states(state["rng"])
+        if training.ema is not None:
+            training.ema.load_state_dict(state.get("ema"), path)
     except (KeyError, RuntimeError, ValueError, TypeError) as err:
         first_line = (str(err).strip().splitlines() or [""])[0][:200]
         raise CheckpointError(

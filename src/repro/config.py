@@ -99,6 +99,14 @@ COMPILE_MODES = ("off", "default", "max-autotune-no-cudagraphs")
 
 
 @dataclass
+class EmaConfig:
+    """``trainer.ema``: an exponential moving average of the weights for evaluation."""
+
+    decay: float | None = None  # e.g. 0.999; None: off
+    start: int = 0  # up to this step the average is a copy of the weights
+
+
+@dataclass
 class TrainerConfig:
     max_steps: int = 300
     batch_size: int = 64
@@ -118,6 +126,7 @@ class TrainerConfig:
     channels_last: bool = False  # model and inputs in channels_last memory format
     trace: bool = True  # write trace.jsonl (repro compare reads it)
     trace_every: int = 50  # digest every state-dict tensor every N steps (0: first/last only)
+    ema: EmaConfig = field(default_factory=EmaConfig)  # evaluate an average of the weights
 
 
 @dataclass
@@ -280,6 +289,10 @@ def _validate_trainer(t: DictConfig) -> None:
         _fail("trainer.compile", t.compile, " or ".join(COMPILE_MODES))
     if t.trace_every < 0:
         _fail("trainer.trace_every", t.trace_every, "an integer >= 0 (0: initial and final only)")
+    if t.ema.decay is not None and not 0 < t.ema.decay < 1:
+        _fail("trainer.ema.decay", t.ema.decay, "a number in (0, 1), or null (off)")
+    if t.ema.start < 0:
+        _fail("trainer.ema.start", t.ema.start, "an integer >= 0")
     if t.batch_size % t.micro_batch_size != 0:
         raise ConfigError(
             f"config error: trainer.batch_size={t.batch_size} is not divisible by "

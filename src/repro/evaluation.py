@@ -28,12 +28,14 @@ def evaluate(
     n = len(split) if limit is None else min(limit, len(split))
     model.eval()
     totals: dict[str, torch.Tensor] = {}
-    for i in range(0, n, batch_size):
-        inputs, targets = normalize(*split.fetch(torch.arange(i, min(i + batch_size, n))))
-        with training.precision.autocast():
-            outputs = model(inputs)
-        for name, value in task.statistics(outputs, targets).items():
-            totals[name] = totals[name] + value if name in totals else value
+    average = training.ema.applied() if training.ema is not None else contextlib.nullcontext()
+    with average:  # trainer.ema: the averaged weights
+        for i in range(0, n, batch_size):
+            inputs, targets = normalize(*split.fetch(torch.arange(i, min(i + batch_size, n))))
+            with training.precision.autocast():
+                outputs = model(inputs)
+            for name, value in task.statistics(outputs, targets).items():
+                totals[name] = totals[name] + value if name in totals else value
     model.train()
     metrics = task.metrics(totals)
     check_metrics(task, metrics)

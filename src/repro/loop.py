@@ -318,6 +318,14 @@ def open_checkpoints(
     return Checkpointer(run.dir, training, run.identity, keep, steps_per_epoch, resumes, best=best)
 
 
+def ema_summary(training: Training) -> dict[str, Any] | None:
+    """``trainer.ema`` in summary.json: its settings and the final averages' digest."""
+    ema = training.ema
+    if ema is None:
+        return None
+    return {"decay": ema.decay, "start": ema.start, "weights_sha256": ema.digest()}
+
+
 def describe(run: Run, training: Training, data: Any, count: int) -> None:
     t, world = run.cfg.trainer, run.world
     n_params = sum(p.numel() for p in training.model.parameters())
@@ -398,6 +406,7 @@ def finish(
         **clock.summary(),
         "wall_seconds": time.perf_counter() - run.started,
         "best": {**checkpoints.best, "file": BEST_FILE} if checkpoints.best else None,
+        "ema": ema_summary(training),
         "resumes": checkpoints.resumes,
         "environment": run.identity.environment,
     }

@@ -82,4 +82,6 @@ def train_step(
     scaler.update()
     training.optimizer.zero_grad(set_to_none=True)
     training.schedule.step()
+    if training.ema is not None:
+        training.ema.update(step + 1)
     return loss, grad_norm
