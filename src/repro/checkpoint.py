@@ -234,6 +234,7 @@ ABSENT_MEANS = {
     "trainer.channels_last": False,
     "trainer.ema.decay": None,
     "trainer.ema.start": 0,
+    "optim.clip_grad_norm": None,
 }
 # Relevant-looking keys that cannot change the bits of a resumed run: the NCCL settings only
 # matter to dist.reduction=all_reduce, which is compared itself; filling new tensors with
