@@ -91,6 +91,11 @@ def build_data(cfg: DictConfig, world: World | None = None) -> DataSplits:
     data = instantiate_target(cfg.data, "data")
     if world.main:
         barrier(world)
+    if cfg.trainer.test and getattr(data, "test", None) is None:
+        raise ConfigError(
+            f"trainer.test=true, but data ({cfg.data._target_}) has no test split; give it "
+            "one (data.test_size for the synthetic sets), or set trainer.test=false."
+        )
     return data
 
 

@@ -240,7 +240,9 @@ ABSENT_MEANS = {
 # matter to dist.reduction=all_reduce, which is compared itself; filling new tensors with
 # NaN only changes memory that no op reads (strict mode leaves it off: it costs a kernel a
 # tensor and changes no bit).
-NOT_COMPARED = ("determinism.nccl_env", "determinism.fill_uninitialized_memory")
+# A test split is generated apart from the training and validation data: its size changes
+# no bit of training.
+NOT_COMPARED = ("determinism.nccl_env", "determinism.fill_uninitialized_memory", "data.test_size")
 RELEVANT_ENVIRONMENT = ("torch", "cuda", "cudnn", "gpu", "gpu_sm_count")
 # Where the CPU computes the step, the kernels it dispatches to decide the bits too.
 RELEVANT_ON_CPU = ("cpu_capability", "cpu_isa", "cpu_dispatch_limits")

@@ -121,6 +121,69 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
+def _run_config(run_dir: Path, overrides: list[str]):
+    """A run's config, composed again from its launch's overrides (``.hydra/overrides.yaml``,
+    as ``repro rerun`` does) plus ``overrides``."""
+    from omegaconf import OmegaConf
+
+    from repro.config import compose
+    from repro.report import RUN_CONTROL, override_key
+
+    launch = run_dir / ".hydra" / "overrides.yaml"
+    if not launch.is_file():
+        raise ReproError(f"{run_dir}: no .hydra/overrides.yaml; give the directory of a run.")
+    kept = [str(o) for o in OmegaConf.load(launch) if override_key(str(o)) not in RUN_CONTROL]
+    return compose([*kept, *overrides])
+
+
+def _prepared(args: argparse.Namespace):
+    """The run's config, this process under its determinism settings, and the device."""
+    from repro.build import resolve_device
+    from repro.determinism import apply_determinism
+    from repro.process_env import pin_process_environment
+
+    cfg = _run_config(Path(args.run_dir), args.overrides)
+    pin_process_environment(cfg.determinism)  # strict: re-executes once, as train.py does
+    device = resolve_device(str(cfg.device))
+    apply_determinism(cfg, device)
+    return cfg, device
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    """A run's checkpoint on its data's test split (or --split val), under the run's config
+    and determinism settings: the same bits as trainer.test=true gave at the end of the run."""
+    from repro.inference import choose_checkpoint, evaluate_checkpoint
+
+    cfg, device = _prepared(args)
+    checkpoint = choose_checkpoint(Path(args.run_dir), cfg, args.checkpoint)
+    result = evaluate_checkpoint(cfg, checkpoint, device, args.split)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        if out.exists():
+            raise ReproError(f"{out}: exists; give another --out (nothing was overwritten).")
+        out.write_text(text + "\n")
+    return 0
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    """A run's model on every image under INPUT_DIR: class probabilities as CSV, or a folder
+    of PNG masks for segmentation; deterministic (the same bytes on every call)."""
+    from repro.inference import choose_checkpoint, predict
+
+    out, inputs = Path(args.out), Path(args.input_dir)
+    if out.exists() and (out.is_file() or any(out.iterdir())):
+        raise ReproError(f"{out}: exists; give another --out (nothing was overwritten).")
+    if not inputs.is_dir():
+        raise ReproError(f"{inputs}: not a directory; give a folder of images.")
+    cfg, device = _prepared(args)
+    checkpoint = choose_checkpoint(Path(args.run_dir), cfg, args.checkpoint)
+    count = predict(cfg, checkpoint, device, inputs, out)
+    print(f"{count} inputs, {checkpoint.name}: wrote {out}", file=sys.stderr)
+    return 0
+
+
 def _doc(func) -> str:
     """A command's docstring as argparse help text (which treats % as a format character)."""
     return (func.__doc__ or "").replace("%", "%%")
@@ -169,6 +232,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job_dir", help="one job's directory inside a sweep directory")
     p.add_argument("--out", help="run directory for the re-run (default JOB_DIR/rerun/<time>)")
     p.set_defaults(func=cmd_rerun)
+    for name, func in (("evaluate", cmd_evaluate), ("predict", cmd_predict)):
+        p = sub.add_parser(name, help=_doc(func), description=_doc(func))
+        p.add_argument("run_dir", help="the run's directory")
+        if name == "predict":
+            p.add_argument("input_dir", help="a folder of images (searched recursively)")
+        p.add_argument(
+            "overrides", nargs="*", help="after the run's own overrides, e.g. device=cpu"
+        )
+        p.add_argument(
+            "--checkpoint",
+            default="best",
+            help="best (best.pt, else the final checkpoint; the default), last, or a file",
+        )
+        if name == "evaluate":
+            p.add_argument("--split", default="test", choices=["test", "val"])
+            p.add_argument("--out", help="also write the result here (JSON)")
+        else:
+            p.add_argument("--out", required=True, help="CSV file (classification) or folder")
+        p.set_defaults(func=func)
     p = sub.add_parser("env", help=_doc(cmd_env))
     p.set_defaults(func=cmd_env)
     return parser

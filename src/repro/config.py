@@ -127,6 +127,7 @@ class TrainerConfig:
     trace: bool = True  # write trace.jsonl (repro compare reads it)
     trace_every: int = 50  # digest every state-dict tensor every N steps (0: first/last only)
     ema: EmaConfig = field(default_factory=EmaConfig)  # evaluate an average of the weights
+    test: bool = False  # at the end: best.pt (else the final checkpoint) on the test split
 
 
 @dataclass

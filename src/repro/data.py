@@ -108,6 +108,7 @@ class DataSplits:
     augment: bool = True
     mean: tuple[float, ...] | None = None  # per channel, in [0, 1]; computed from train if None
     std: tuple[float, ...] | None = None
+    test: Split | None = None  # held out until the end (trainer.test, repro evaluate)
 
     def __post_init__(self) -> None:
         if self.mean is None or self.std is None:
@@ -146,17 +147,20 @@ def synthetic(
     image_size: int = 32,
     noise: float = 0.35,
     augment: bool = True,
+    test_size: int = 0,
 ) -> DataSplits:
-    """A learnable image-classification set generated from ``seed`` (the *data* seed).
+    """A learnable image-classification set generated from ``seed`` (the *data* seed), with
+    a test split of ``test_size`` samples when it is not 0 (generated from its own keyed
+    stream: the training and validation samples do not depend on it).
 
     Class c is an oriented sinusoidal grating (angle and frequency set by c) tinted with a
     class colour; every sample gets a random phase, contrast, slight rotation and Gaussian
     noise, so the task needs a few hundred SGD steps, not one.
     """
-    if num_classes < 2 or train_size < 1 or val_size < 1 or image_size < 8:
+    if num_classes < 2 or train_size < 1 or val_size < 1 or image_size < 8 or test_size < 0:
         raise DataError(
-            "data: synthetic needs num_classes >= 2, train_size/val_size >= 1 and "
-            "image_size >= 8; fix the data.* values."
+            "data: synthetic needs num_classes >= 2, train_size/val_size >= 1, "
+            "test_size >= 0 and image_size >= 8; fix the data.* values."
         )
     palette = torch.rand(num_classes, 3, generator=keyed_generator(seed, "synthetic-palette"))
     palette = 0.35 + 0.65 * palette
@@ -186,7 +190,10 @@ def synthetic(
         images = (img.clamp(0, 1) * 255).round().to(torch.uint8)
         return TensorImages(images, labels)
 
-    return DataSplits(make("train", train_size), make("val", val_size), num_classes, augment)
+    test = make("test", test_size) if test_size else None
+    return DataSplits(
+        make("train", train_size), make("val", val_size), num_classes, augment, test=test
+    )
 
 
 def keyed_split(
@@ -450,17 +457,19 @@ def synthetic_shapes(
     max_shapes: int = 3,
     noise: float = 0.2,
     augment: bool = True,
+    test_size: int = 0,
 ) -> DataSplits:
-    """A learnable segmentation set generated from ``seed`` (the *data* seed): class 0 is the
+    """A learnable segmentation set generated from ``seed`` (the *data* seed), with a test
+    split of ``test_size`` samples when it is not 0 (its own keyed stream): class 0 is the
     background, classes 1 .. num_classes-1 are shapes (disc, square, triangle, ring, cross).
 
     Each image holds 1 to ``max_shapes`` shapes of random class, place and size, later ones
     in front, on a shaded background with Gaussian noise; a shape's colour leans to its class
     but varies, so the model must learn the outline too. The mask is the per-pixel class."""
-    if not 2 <= num_classes <= len(SHAPES) + 1 or train_size < 1 or val_size < 1:
+    if not 2 <= num_classes <= len(SHAPES) + 1 or min(train_size, val_size) < 1 or test_size < 0:
         raise DataError(
             f"data: synthetic_shapes needs 2 <= num_classes <= {len(SHAPES) + 1} and "
-            "train_size/val_size >= 1; fix the data.* values."
+            "train_size/val_size >= 1, test_size >= 0; fix the data.* values."
         )
     if image_size < 16 or max_shapes < 1:
         raise DataError("data: synthetic_shapes needs image_size >= 16 and max_shapes >= 1.")
@@ -493,7 +502,10 @@ def synthetic_shapes(
         img = img + noise * torch.randn(n, 3, image_size, image_size, generator=g)
         return TensorImages((img.clamp(0, 1) * 255).round().to(torch.uint8), mask)
 
-    return DataSplits(make("train", train_size), make("val", val_size), num_classes, augment)
+    test = make("test", test_size) if test_size else None
+    return DataSplits(
+        make("train", train_size), make("val", val_size), num_classes, augment, test=test
+    )
 
 
 def cifar10(root: str = "data/cifar10", download: bool = True, augment: bool = True) -> DataSplits:

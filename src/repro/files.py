@@ -12,6 +12,7 @@ EVAL_FILE = "eval.csv"  # repro.logs
 SUMMARY_FILE = "summary.json"  # repro.loop
 ERROR_FILE = "error.json"  # train.py, for a failed job of a sweep
 CHECKPOINT_DIR = "checkpoints"  # repro.checkpoint
+TEST_FILE = "test.json"  # repro.loop: trainer.test's result
 BEST_FILE = "best.pt"  # repro.checkpoint: the checkpoint of the best evaluation so far
 LOCK_FILE = ".lock"  # repro.rundir: the run's owner, for its lifetime
 LAUNCH_DIR = ".hydra"  # train.py: the config, Hydra's config and the overrides of the launch

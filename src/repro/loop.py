@@ -43,15 +43,16 @@ from repro.checkpoint import (
     sidecar,
 )
 from repro.config import config_hash, resolved_container, validate
-from repro.data import DeviceNormalizer, loading
+from repro.data import DataSplits, DeviceNormalizer, loading
 from repro.determinism import DeterminismReport, apply_determinism
 from repro.dist import World, barrier, broadcast_object, on_main
 from repro.dist import init as init_world
 from repro.doctor import explain_nondeterministic_op
 from repro.errors import Diverged
 from repro.evaluation import check_task, evaluate
-from repro.files import BEST_FILE, ENV_FILE, SUMMARY_FILE
+from repro.files import BEST_FILE, ENV_FILE, SUMMARY_FILE, TEST_FILE
 from repro.fingerprint import environment, run_fingerprint
+from repro.inference import choose_checkpoint, evaluate_checkpoint
 from repro.logs import NullLog, TrainingLog
 from repro.preemption import Preemption
 from repro.progress import Throughput
@@ -197,7 +198,7 @@ def _train(
                 logs.close()  # all on disk before handing the signal over
                 preemption.stop(done, checkpoint_path(run.dir, done), run.dir)
     clock.stop()
-    summary = finish(run, training, checkpoints, logs, tracer, clock) if world.main else None
+    summary = finish(run, training, data, checkpoints, logs, tracer, clock) if world.main else None
     return broadcast_object(summary, world)
 
 
@@ -318,6 +319,18 @@ def open_checkpoints(
     return Checkpointer(run.dir, training, run.identity, keep, steps_per_epoch, resumes, best=best)
 
 
+def run_test(run: Run, data: DataSplits) -> dict[str, Any]:
+    """``trainer.test``: best.pt (else the final checkpoint) on the test split, into
+    ``test.json``, by ``repro evaluate``'s own function (so with its bits). Written before
+    ``summary.json``: a run killed in between is not finished, and its resume tests again."""
+    checkpoint = choose_checkpoint(run.dir, run.cfg)
+    result = evaluate_checkpoint(run.cfg, checkpoint, run.device, "test", data)
+    write_json(run.dir / TEST_FILE, result)
+    metrics = ", ".join(f"{k} {v:.4f}" for k, v in result["metrics"].items())
+    log.info(f"test: {result['checkpoint']} (step {result['step']}): {metrics}")
+    return result
+
+
 def ema_summary(training: Training) -> dict[str, Any] | None:
     """``trainer.ema`` in summary.json: its settings and the final averages' digest."""
     ema = training.ema
@@ -372,6 +385,7 @@ def open_logs(
 def finish(
     run: Run,
     training: Training,
+    data: DataSplits,
     checkpoints: Checkpointer,
     logs: TrainingLog,
     tracer: StepTracer,
@@ -388,6 +402,7 @@ def finish(
     shutil.copyfile(sidecar(final), sidecar(final_copy))
     weights = tracer.final_weights or state_dict_sha256(training.model.state_dict())
     headline = training.task.headline
+    test = run_test(run, data) if cfg.trainer.test else None  # before summary.json: see there
     summary = {
         "weights_sha256": weights,
         "steps": max_steps,
@@ -407,6 +422,7 @@ def finish(
         "wall_seconds": time.perf_counter() - run.started,
         "best": {**checkpoints.best, "file": BEST_FILE} if checkpoints.best else None,
         "ema": ema_summary(training),
+        "test": test,
         "resumes": checkpoints.resumes,
         "environment": run.identity.environment,
     }

@@ -46,6 +46,7 @@ from repro.files import (
     LOG_FILE,
     METRICS_FILE,
     SUMMARY_FILE,
+    TEST_FILE,
     TRACE_FILE,
     finite_or_null,
 )
@@ -177,6 +178,7 @@ RUN_FILES = {
     ERROR_FILE,
     CHECKPOINT_DIR,
     BEST_FILE,
+    TEST_FILE,
     "rerun",
 }
 

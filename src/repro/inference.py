@@ -1,0 +1,155 @@
+"""A trained run's checkpoint on data it did not train on: the test split (``trainer.test``
+at the end of a run, ``repro evaluate RUN_DIR`` later) and new inputs (``repro predict``).
+
+``trainer.test`` and ``repro evaluate`` are one function, :func:`evaluate_checkpoint`: the
+model (and its weight average, with ``trainer.ema``) rebuilt from the run's config, the
+checkpoint's weights loaded, :func:`repro.evaluation.evaluate` in its fixed order, under the
+run's determinism settings. So the two give the same bits: a test score cannot depend on
+whether it was computed at the end of training or a week later (as long as the machine and
+versions are the same; ``env.json`` says which they were).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from repro.build import build_data, build_training
+from repro.checkpoint import cannot_restore, load_checkpoint, sidecar
+from repro.data import DataSplits, DeviceNormalizer
+from repro.errors import CheckpointError, ConfigError
+from repro.evaluation import evaluate
+from repro.files import BEST_FILE
+
+SPLITS = ("test", "val")
+
+
+def choose_checkpoint(run_dir: Path, cfg: DictConfig, which: str = "best") -> Path:
+    """``best``: the run's ``best.pt``, or its final checkpoint when no evaluation gave a
+    finite value; ``last``: the final checkpoint; anything else: a checkpoint file."""
+    final = run_dir / str(cfg.trainer.checkpoint_name)
+    if which == "best":
+        return run_dir / BEST_FILE if (run_dir / BEST_FILE).is_file() else final
+    if which == "last":
+        return final
+    return Path(which)
+
+
+def evaluate_checkpoint(
+    cfg: DictConfig,
+    checkpoint: Path,
+    device: torch.device,
+    split: str = "test",
+    data: DataSplits | None = None,
+) -> dict[str, Any]:
+    """The task's metrics of ``checkpoint`` on ``split`` (``test`` or ``val``), with the
+    checkpoint it used (path, step, SHA-256)."""
+    if split not in SPLITS:
+        raise ConfigError(f"split {split!r}: give test or val.")
+    data = data or build_data(cfg)
+    held_out = data.test if split == "test" else data.val
+    if held_out is None:
+        raise ConfigError(
+            f"data ({cfg.data._target_}) has no test split; give it one (data.test_size for "
+            "the synthetic sets, data.test_fraction for image_folder), or evaluate on val."
+        )
+    state = load_checkpoint(checkpoint, map_location=device)  # verified against its sidecar
+    training = build_training(cfg, data, device)
+    wrong = cannot_restore(training, state)
+    if wrong:
+        raise CheckpointError(f"{checkpoint}: {wrong}; it is not this run's model.")
+    training.model.load_state_dict(state["model"])
+    if training.ema is not None:
+        training.ema.load_state_dict(state.get("ema"), checkpoint)
+    normalize = DeviceNormalizer(data, device, bool(cfg.trainer.channels_last))
+    metrics = evaluate(training, held_out, normalize, int(cfg.trainer.eval_batch_size))
+    digest = sidecar(checkpoint).read_text().split()[0]
+    return {
+        "split": split,
+        "checkpoint": checkpoint.name,
+        "step": int(state["step"]),
+        "checkpoint_sha256": digest,
+        "metrics": {k.replace("val_", f"{split}_", 1): v for k, v in metrics.items()},
+    }
+
+
+def predict(
+    cfg: DictConfig, checkpoint: Path, device: torch.device, inputs: Path, out: Path
+) -> int:
+    """The model of ``checkpoint`` on every image under ``inputs`` (sorted paths, read and
+    resized as ``data.image_size`` RGB, normalised with the run's statistics), in batches of
+    ``trainer.eval_batch_size``, in evaluation mode (the weight average with ``trainer.ema``).
+    Classification: ``out`` is a CSV of ``file, prediction`` and each class's probability
+    (``repr`` floats: exact). Segmentation: ``out`` is a folder of ``<file>.png`` class masks.
+    Deterministic: the same bytes every time on the same machine. Returns the count."""
+    from repro.data import IMAGE_SUFFIXES, read_image
+
+    files = sorted(p for p in inputs.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise ConfigError(f"{inputs}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))}).")
+    size = cfg.data.get("image_size")
+    if size is None:
+        raise ConfigError(f"data ({cfg.data._target_}) has no image_size to read inputs at.")
+    data = build_data(cfg)  # its normalisation statistics
+    state = load_checkpoint(checkpoint, map_location=device)
+    training = build_training(cfg, data, device)
+    wrong = cannot_restore(training, state)
+    if wrong:
+        raise CheckpointError(f"{checkpoint}: {wrong}; it is not this run's model.")
+    training.model.load_state_dict(state["model"])
+    if training.ema is not None:
+        training.ema.load_state_dict(state.get("ema"), checkpoint)
+    normalize = DeviceNormalizer(data, device, bool(cfg.trainer.channels_last))
+    names = [str(p.relative_to(inputs)) for p in files]
+    batch = int(cfg.trainer.eval_batch_size)
+    results: list[torch.Tensor] = []
+    model = training.model
+    model.eval()
+    average = training.ema.applied() if training.ema is not None else nullcontext()
+    with torch.no_grad(), average:
+        for i in range(0, len(files), batch):
+            images = torch.stack([read_image(p, int(size)) for p in files[i : i + batch]])
+            x, _ = normalize(images, torch.zeros(len(images), dtype=torch.int64))
+            with training.precision.autocast():
+                outputs = model(x)
+            if outputs.dim() == 2:  # class scores
+                results.append(outputs.float().softmax(dim=1).cpu())
+            else:  # per-pixel class scores: the mask
+                results.append(outputs.argmax(dim=1).to(torch.uint8).cpu())
+    scores = torch.cat(results)
+    if scores.dim() == 2:
+        _write_probabilities(out, names, scores)
+    else:
+        _write_masks(out, names, scores)
+    return len(files)
+
+
+def _write_probabilities(out: Path, names: list[str], probs: torch.Tensor) -> None:
+    from repro.checkpoint import atomic_write
+
+    header = ["file", "prediction", *(f"p{c}" for c in range(probs.shape[1]))]
+    lines = [",".join(header)]
+    for name, p in zip(names, probs.tolist(), strict=True):
+        best = max(range(len(p)), key=p.__getitem__)
+        lines.append(",".join([_csv_field(name), str(best), *map(repr, p)]))
+    text = "\n".join(lines) + "\n"
+    atomic_write(out, lambda f: f.write(text.encode()))
+
+
+def _csv_field(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"' if any(c in name for c in ',"\n') else name
+
+
+def _write_masks(out: Path, names: list[str], masks: torch.Tensor) -> None:
+    from repro.checkpoint import atomic_write
+    from repro.data import _pillow
+
+    Image = _pillow()
+    for name, mask in zip(names, masks, strict=True):
+        target = out / Path(name).with_suffix(".png")
+        image = Image.fromarray(mask.numpy(), mode="L")
+        atomic_write(target, lambda f, image=image: image.save(f, format="PNG"))

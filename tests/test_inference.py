@@ -1,0 +1,133 @@
+"""A trained run on data it did not train on: trainer.test, repro evaluate, repro predict."""
+
+import csv
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, SMALL_DATA, run_train, train_here, user_env
+from repro.config import compose
+from repro.data import synthetic, synthetic_shapes
+from repro.errors import ConfigError
+from repro.inference import choose_checkpoint, predict
+
+TESTED = [
+    "trainer.max_steps=8",
+    "trainer.eval_every=4",
+    "trainer.test=true",
+    "data.test_size=96",
+    *SMALL_DATA,
+    "model.width=8",
+    "loader=single",
+]
+
+
+def repro(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "repro", *map(str, args)],
+        cwd=ROOT,
+        env=user_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def write_images(folder, images: torch.Tensor) -> None:
+    """The images as PNG files, every other one at another size (read back at image_size)."""
+    from PIL import Image
+
+    folder.mkdir()
+    for i, image in enumerate(images):
+        picture = Image.fromarray(image.permute(1, 2, 0).numpy())
+        if i % 2:
+            picture = picture.resize((picture.width + 7, picture.height + 3))
+        picture.save(folder / f"{i:03d}.png")
+
+
+@pytest.fixture(scope="module")
+def tested(tmp_path_factory):
+    """One run of train.py with trainer.test=true (evaluations at steps 4 and 8)."""
+    return run_train(tmp_path_factory.mktemp("tested") / "run", *TESTED)
+
+
+@pytest.mark.e2e
+def test_repro_evaluate_gives_the_test_metrics_trainer_test_gave_bit_for_bit(tested):
+    test = tested.summary["test"]
+    assert test == json.loads((tested.dir / "test.json").read_text())
+    assert test["split"] == "test" and test["checkpoint"] == "best.pt"
+    assert test["step"] == tested.summary["best"]["step"]
+    assert set(test["metrics"]) == {"test_loss", "test_accuracy"}
+    later = repro("evaluate", tested.dir)  # another process, a while later
+    assert later.returncode == 0, later.stderr
+    assert json.loads(later.stdout) == test  # exact floats: JSON round-trips them
+    last = repro("evaluate", tested.dir, "--checkpoint", "last", "--split", "val")
+    assert last.returncode == 0, last.stderr
+    result = json.loads(last.stdout)
+    assert result["step"] == 8 and result["checkpoint"] == "checkpoint.pt"
+    # the final evaluation of the run, on the same split and weights
+    assert result["metrics"]["val_accuracy"] == tested.summary["val_accuracy"]
+
+
+@pytest.mark.e2e
+def test_repro_predict_writes_the_same_bytes_twice_and_refuses_to_overwrite(tested, tmp_path):
+    inputs = tmp_path / "inputs"
+    write_images(inputs, synthetic(train_size=1, val_size=12).val.images)
+    first, second = tmp_path / "first.csv", tmp_path / "second.csv"
+    for out in (first, second):
+        done = repro("predict", tested.dir, inputs, "--out", out)
+        assert done.returncode == 0, done.stderr
+    assert first.read_bytes() == second.read_bytes()
+    with open(first) as f:
+        rows = list(csv.DictReader(f))
+    assert [r["file"] for r in rows] == [f"{i:03d}.png" for i in range(12)]
+    for row in rows:
+        probs = [float(row[f"p{c}"]) for c in range(10)]
+        assert int(row["prediction"]) == probs.index(max(probs))
+        assert abs(sum(probs) - 1) < 1e-5
+    before = first.read_bytes()
+    refused = repro("predict", tested.dir, inputs, "--out", first)
+    assert refused.returncode == 2 and "exists; give another --out" in refused.stderr
+    assert first.read_bytes() == before
+
+
+@pytest.mark.e2e
+def test_a_run_without_a_test_split_is_one_line(traced_runs, tmp_path):
+    done = repro("evaluate", traced_runs["a"].dir)
+    assert done.returncode == 2
+    assert "has no test split; give it one (data.test_size" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    with pytest.raises(ConfigError, match="trainer.test=true, but data .* has no test split"):
+        train_here(tmp_path / "run", *SMALL_DATA, "trainer.max_steps=1", "trainer.test=true")
+    assert not (tmp_path / "run").exists()  # refused before the run directory was made
+
+
+def test_segmentation_predictions_are_masks_and_repeat(tmp_path):
+    seg = [
+        "experiment=segmentation",
+        "trainer.max_steps=2",
+        "trainer.eval_every=2",
+        "trainer.batch_size=8",
+        "trainer.micro_batch_size=4",
+        "data.train_size=16",
+        "data.val_size=8",
+        "data.image_size=32",
+    ]
+    run = train_here(tmp_path / "run", *seg)
+    cfg = compose(seg, ROOT / "conf")
+    inputs = tmp_path / "inputs"
+    write_images(inputs, synthetic_shapes(train_size=1, val_size=3, image_size=32).val.images)
+    outs = [tmp_path / "a", tmp_path / "b"]
+    for out in outs:
+        assert predict(cfg, choose_checkpoint(run.dir, cfg), torch.device("cpu"), inputs, out) == 3
+    names = sorted(p.name for p in outs[0].iterdir())
+    assert names == ["000.png", "001.png", "002.png"]
+    assert all((outs[0] / n).read_bytes() == (outs[1] / n).read_bytes() for n in names)
+    from PIL import Image
+
+    with Image.open(outs[0] / "001.png") as mask:  # the input was 39x35: the mask is 32x32
+        assert mask.size == (32, 32) and int(np.asarray(mask).max()) < 4
