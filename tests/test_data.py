@@ -122,12 +122,14 @@ def _write_images(root, classes, per_class):
 def test_image_folder_reads_class_folders(tmp_path):
     pytest.importorskip("PIL")
     _write_images(tmp_path, ["cat", "dog", "emu"], 5)
-    d = image_folder(str(tmp_path), image_size=16, val_fraction=0.2, seed=0)
+    d = image_folder(str(tmp_path), image_size=16, val_fraction=0.2, seed=0, in_memory=True)
     assert isinstance(d, DataSplits) and d.num_classes == 3
     assert len(d.train) + len(d.val) == 15 and len(d.val) == 3
     assert d.train.images.shape[1:] == (3, 16, 16)
-    again = image_folder(str(tmp_path), image_size=16, val_fraction=0.2, seed=0)
-    assert torch.equal(d.val.images, again.val.images)
+    lazy = image_folder(str(tmp_path), image_size=16, val_fraction=0.2, seed=0)
+    every = torch.arange(len(d.val))
+    assert all(torch.equal(a, b) for a, b in zip(lazy.val.fetch(every), d.val.fetch(every)))
+    assert (lazy.mean, lazy.std) == (d.mean, d.std)
 
 
 def test_image_folder_errors_name_the_path(tmp_path):
@@ -251,3 +253,68 @@ def test_an_image_too_large_to_decode_names_its_file(tmp_path, monkeypatch):
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # 64×64 is then > 2× the limit
     with pytest.raises(DataError, match=r"cannot read image .*huge.png \(DecompressionBombError"):
         read_image(tmp_path / "huge.png", 16)
+
+
+def _mixed_folder(root, corrupt: tuple[str, ...] = ()):
+    """3 classes of 24 PNG and JPEG files of varied sizes (``corrupt``: file names, in every
+    class, whose bytes are not an image)."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(0)
+    for c, name in enumerate(["ant", "bee", "cow"]):
+        (root / name).mkdir(parents=True)
+        for i in range(24):
+            h, w = 12 + (i % 5) * 3, 14 + (i % 7) * 2
+            pixels = torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=g)
+            pixels[..., c] = 220  # a colour per class: learnable
+            path = root / name / f"{i:02d}{'.png' if i % 2 else '.jpg'}"
+            Image.fromarray(pixels.numpy()).save(path)
+            if path.name in corrupt:
+                path.write_bytes(b"not an image")
+    return root
+
+
+def test_a_lazy_split_reads_files_when_fetched_and_stops_or_skips_a_bad_one(tmp_path):
+    """stop: one line naming the file; skip: the next readable file (and its label) takes
+    its place, the same one whoever reads it, named once in a warning."""
+    pytest.importorskip("PIL")
+    from repro.data import LazyImages, read_image
+
+    root = _mixed_folder(tmp_path / "images", corrupt=("03.png",))
+    files = sorted(root.glob("ant/0[2-4].*"))  # 02.jpg, 03.png (bad), 04.jpg
+    labels = torch.tensor([0, 1, 2])
+    with pytest.raises(DataError, match=r"^data: cannot read image .*ant/03.png \("):
+        LazyImages(files, labels, 16, "stop").fetch(torch.tensor([1]))
+    split = LazyImages(files, labels, 16, "skip")
+    images, got = split.fetch(torch.tensor([1, 0, 1]))
+    assert got.tolist() == [2, 0, 2]  # 04.jpg's label came with its image
+    assert torch.equal(images[0], read_image(files[2], 16)) and torch.equal(images[0], images[2])
+    assert torch.equal(split.to(torch.device("cpu")).images[1], images[0])
+    with pytest.raises(DataError, match="data.on_bad_image='ignore' is invalid"):
+        image_folder(str(root), on_bad_image="ignore")
+
+
+@pytest.mark.e2e
+def test_image_folder_lazy_and_in_memory_give_the_same_bits_with_any_loader(tmp_path):
+    """A folder of PNG and JPEG files of varied sizes, some unreadable (skipped): read in
+    the main process up front, or per micro-batch in 2 loader workers -- the same bits; and
+    best.pt after a run with evaluations."""
+    pytest.importorskip("PIL")
+    root = _mixed_folder(tmp_path / "images", corrupt=("05.png", "10.jpg"))
+    args = [
+        "data=image_folder",
+        f"data.path={root}",
+        "data.image_size=16",
+        "data.on_bad_image=skip",
+        "trainer.batch_size=16",
+        "trainer.micro_batch_size=8",
+        "trainer.max_steps=8",  # 4 steps an epoch: every training file is read, twice
+        "trainer.eval_every=4",
+        "model.width=8",
+    ]
+    memory = train_here(tmp_path / "memory", *args, "data.in_memory=true", "loader=single")
+    lazy = train_here(tmp_path / "lazy", *args, "loader=multi", "loader.num_workers=2")
+    assert lazy.summary["weights_sha256"] == memory.summary["weights_sha256"]
+    assert lazy.losses == memory.losses
+    assert "05.png (" in memory.output and "Skipped (data.on_bad_image=skip)" in memory.output
+    assert (lazy.dir / "best.pt").is_file() and lazy.summary["best"]["step"] in (4, 8)

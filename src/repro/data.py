@@ -17,6 +17,7 @@ with their image.
 
 from __future__ import annotations
 
+import logging
 import math
 import multiprocessing
 import signal
@@ -33,6 +34,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from repro.errors import DataError, ReproError
 from repro.rng import keyed_draws, keyed_generator, keyed_permutation, worker_init_fn
+
+log = logging.getLogger("repro")
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 
@@ -215,12 +218,22 @@ def image_folder(
     val_fraction: float = 0.1,
     seed: int = 1234,
     augment: bool = True,
+    in_memory: bool = False,
+    on_bad_image: str = "stop",
 ) -> DataSplits:
     """Your own images, one sub-folder per class (``root/cat/1.png``, ``root/dog/7.jpg``).
 
-    Loaded into memory at ``image_size``×``image_size`` RGB. Classes and files are taken in
-    sorted order and the validation split is a permutation keyed by ``seed``, so the same
-    folder gives the same splits everywhere."""
+    Classes and files are taken in sorted order and the validation split is a permutation
+    keyed by ``seed``, so the same folder gives the same splits everywhere. Each image is
+    read and resized to ``image_size``×``image_size`` RGB when fetched, in the loader's
+    workers (:class:`LazyImages`: memory does not grow with the folder), or, with
+    ``in_memory``, all of them once, up front (faster for a small folder). Both read every
+    file with the same function and normalise with the statistics of the same first
+    training images (:data:`STATISTICS_SAMPLE`), so they give the same bits.
+
+    ``on_bad_image``: ``stop`` (a file that cannot be read stops the run with one line
+    naming it) or ``skip`` (it is replaced by the next readable file of its split, in file
+    order -- the same one in any worker, process or resume -- and named in a warning)."""
     _pillow()
     root = Path(path).expanduser()
     if not root.is_dir():
@@ -231,6 +244,11 @@ def image_folder(
     if not 0 < val_fraction < 1:
         raise DataError(
             f"data.val_fraction={val_fraction} is invalid; allowed: a number in (0, 1)."
+        )
+    if on_bad_image not in BAD_IMAGE_CHOICES:
+        raise DataError(
+            f"data.on_bad_image={on_bad_image!r} is invalid; allowed: "
+            f"{' or '.join(BAD_IMAGE_CHOICES)}."
         )
     classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     files = [
@@ -244,17 +262,73 @@ def image_folder(
             f"data.path={path!r} holds {len(classes)} class folder(s) and {len(files)} "
             "image(s); it needs at least 2 class sub-folders with images in them."
         )
-    images = torch.empty(len(files), 3, image_size, image_size, dtype=torch.uint8)
-    for i, (f, _) in enumerate(files):
-        images[i] = read_image(f, image_size)
     labels = torch.tensor([label for _, label in files])
     train_idx, val_idx = keyed_split(len(files), val_fraction, seed, "image-folder-split", path)
+
+    def split(index: torch.Tensor) -> Split:
+        lazy = LazyImages([files[i][0] for i in index], labels[index], image_size, on_bad_image)
+        return lazy.to(torch.device("cpu")) if in_memory else lazy
+
+    train = split(train_idx)
+    first = torch.arange(min(len(train), STATISTICS_SAMPLE))
+    sample = train.fetch(first)[0].to(torch.float64).div(255)
     return DataSplits(
-        TensorImages(images[train_idx], labels[train_idx]),
-        TensorImages(images[val_idx], labels[val_idx]),
+        train,
+        split(val_idx),
         len(classes),
         augment,
+        mean=tuple(sample.mean(dim=(0, 2, 3)).tolist()),
+        std=tuple(sample.std(dim=(0, 2, 3)).clamp_min(1e-3).tolist()),
     )
+
+
+BAD_IMAGE_CHOICES = ("stop", "skip")
+
+
+class LazyImages:
+    """A split of labelled image files read when fetched: in the loader's workers during
+    training, so memory does not grow with the dataset. Same interface as
+    :class:`TensorImages` (``len``, ``fetch``, ``channels``; ``to`` reads it all in).
+    ``on_bad_image="skip"``: a file that cannot be read is replaced by the next readable
+    file in the split's order (its label with it), named once per process in a warning."""
+
+    channels = 3
+    device = torch.device("cpu")
+
+    def __init__(
+        self, files: list[Path], labels: torch.Tensor, image_size: int, on_bad_image: str
+    ) -> None:
+        self.files, self.labels = files, labels
+        self.image_size, self.on_bad_image = image_size, on_bad_image
+        self._skipped: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def fetch(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        read = [self._read(i) for i in index.tolist()]
+        images = torch.stack([image for _, image in read])
+        return images, self.labels[torch.tensor([j for j, _ in read], dtype=torch.int64)]
+
+    def _read(self, i: int) -> tuple[int, torch.Tensor]:
+        """(the file actually read, its image): ``i``, or with ``skip`` the next readable."""
+        if self.on_bad_image == "stop":
+            return i, read_image(self.files[i], self.image_size)
+        n = len(self.files)
+        for j in (i + k for k in range(n)):
+            j %= n
+            try:
+                return j, read_image(self.files[j], self.image_size)
+            except DataError as err:
+                if j not in self._skipped:
+                    self._skipped.add(j)
+                    log.warning(f"{err} Skipped (data.on_bad_image=skip): the next file instead.")
+        raise DataError(f"data: none of the {n} files of a split can be read; check data.path.")
+
+    def to(self, device: torch.device) -> TensorImages:
+        """The whole split in memory on ``device`` (``in_memory``, ``loader=device``)."""
+        images, labels = self.fetch(torch.arange(len(self)))
+        return TensorImages(images, labels).to(device)
 
 
 def _pillow():
