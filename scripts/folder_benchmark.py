@@ -1,0 +1,162 @@
+#!/usr/bin/env python
+"""Memory and speed of ``data=image_folder`` read per sample (lazy) or up front (in memory).
+
+    python scripts/folder_benchmark.py --sizes 2000 20000 --workers 2 4 8
+    python scripts/folder_benchmark.py --sizes 2000 --workers 2 -- device=cuda amp=on
+
+Writes class folders of ``--image-size`` images (10 classes, PNG and JPEG, varied sizes;
+kept in ``--root`` for the next call), then trains ``--steps`` steps of the default
+ConvNet on each folder size, loader and mode, one process per run (``python train.py``):
+peak resident memory of the training process and of its largest child process (the
+kernel's ``ru_maxrss``; children are forked, so a child's peak counts the pages it still
+shares with the training process at the fork: the loader workers, and helpers such as
+``git`` for the fingerprint), images/s over the steady steps, and the weights' digest (lazy and
+in-memory must give one digest per folder). Writes ``folder-<date>-<gpu or cpu>.md/.json``
+under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from _results import command_line, environment_line, result_stem, today
+
+ROOT = Path(__file__).resolve().parents[1]
+# runs inside the child: train.py's own entry, then this process's and its workers' peaks
+CHILD_CODE = """
+import json, os, resource, runpy, sys
+sys.argv = ["train.py", *json.loads(os.environ["REPRO_FOLDER_BENCH_ARGS"])]
+try:
+    runpy.run_path("train.py", run_name="__main__")
+except SystemExit as end:
+    if end.code not in (0, None):
+        raise
+kib = lambda who: resource.getrusage(who).ru_maxrss
+print("RSS " + json.dumps({"main_mib": kib(resource.RUSAGE_SELF) / 1024,
+                           "worker_mib": kib(resource.RUSAGE_CHILDREN) / 1024}))
+"""
+
+
+def make_folder(root: Path, n: int, size: int) -> Path:
+    """``n`` images in 10 class folders (reused when complete)."""
+    import torch
+    from PIL import Image
+
+    folder = root / f"images-{n}-{size}"
+    done = folder / ".complete"
+    if done.is_file():
+        return folder
+    g = torch.Generator().manual_seed(n)
+    for i in range(n):
+        c = i % 10
+        (folder / f"class{c}").mkdir(parents=True, exist_ok=True)
+        h, w = size + (i % 7) * 4, size + (i % 5) * 4
+        pixels = torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=g)
+        pixels[..., c % 3] = 40 + 20 * c
+        Image.fromarray(pixels.numpy()).save(
+            folder / f"class{c}" / f"{i:06d}.{'png' if i % 2 else 'jpg'}"
+        )
+    done.touch()
+    return folder
+
+
+def run(overrides: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        args = [*overrides, f"hydra.run.dir={tmp}/run", "trainer.progress=false"]
+        env = {**os.environ, "REPRO_FOLDER_BENCH_ARGS": json.dumps(args), "CI": "true"}
+        # strict mode's process environment, set here: train.py would otherwise re-execute
+        # itself with it, and this wrapper (which reads the peaks) would be replaced
+        env.update(PYTHONHASHSEED="0", CUBLAS_WORKSPACE_CONFIG=":4096:8")
+        proc = subprocess.run(
+            [sys.executable, "-c", CHILD_CODE], cwd=ROOT, env=env, capture_output=True, text=True
+        )
+        if proc.returncode != 0:
+            raise SystemExit(f"run failed ({' '.join(overrides)}):\n{proc.stdout}\n{proc.stderr}")
+        rss = json.loads(proc.stdout.rsplit("RSS ", 1)[1])
+        summary = json.loads((Path(tmp) / "run" / "summary.json").read_text())
+    return {
+        **rss,
+        "images_per_second": summary["steady_images_per_second"],
+        "weights": summary["weights_sha256"],
+        "environment": summary["environment"],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--sizes", type=int, nargs="+", default=[2000, 20000])
+    p.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--image-size", type=int, default=64)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "repro-folders")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks")
+    p.add_argument("overrides", nargs="*", help="train.py overrides (after --)")
+    args = p.parse_args()
+    rows = []
+    for n in args.sizes:
+        folder = make_folder(args.root, n, args.image_size)
+        base = [
+            "data=image_folder",
+            f"data.path={folder}",
+            f"data.image_size={args.image_size}",
+            f"trainer.max_steps={args.steps}",
+            f"trainer.eval_every={args.steps}",
+            "trainer.checkpoint_every=0",
+            "data.val_fraction=0.05",
+            *args.overrides,
+        ]
+        cells = [("in memory", 0, ["data.in_memory=true", "loader=single"])]
+        cells += [
+            ("in memory", w, ["data.in_memory=true", "loader=multi", f"loader.num_workers={w}"])
+            for w in args.workers[:1]
+        ]
+        cells += [("lazy", w, ["loader=multi", f"loader.num_workers={w}"]) for w in args.workers]
+        for mode, workers, extra in cells:
+            r = run([*base, *extra])
+            rows.append({"images": n, "mode": mode, "workers": workers, **r})
+            print(
+                f"{n:6d} {mode:9} workers {workers}: main {r['main_mib']:7.0f} MiB, largest child "
+                f"{r['worker_mib']:6.0f} MiB, {r['images_per_second']:7.1f} img/s  {r['weights'][:12]}",
+                flush=True,
+            )
+    env = rows[0]["environment"]
+    for r in rows:
+        del r["environment"]
+    lines = [
+        f"# image_folder read per sample vs up front, {today()}",
+        "",
+        f"`{command_line()}`",
+        "",
+        f"{environment_line(env)}. {args.image_size}×{args.image_size} images (PNG and JPEG, "
+        f"varied sizes before resizing), 10 classes, the default ConvNet, {args.steps} steps, "
+        "one `python train.py` process per row. Memory: peak resident set of the training "
+        "process, and of its largest child (`ru_maxrss`; forked children, the loader workers "
+        "and helpers, count the pages they share with the training process at the fork).",
+        "",
+        "| images | mode | workers | training process MiB | largest child MiB | img/s | weights |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['images']} | {r['mode']} | {r['workers']} | {r['main_mib']:.0f} | "
+            f"{r['worker_mib']:.0f} | {r['images_per_second']:.1f} | `{r['weights'][:12]}` |"
+        )
+    stem = result_stem("folder", today(), env)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{stem}.json").write_text(
+        json.dumps({"command": command_line(), "environment": env, "rows": rows}, indent=2) + "\n"
+    )
+    print(f"wrote {args.out / stem}.md/.json")
+
+
+if __name__ == "__main__":
+    main()
