@@ -43,6 +43,16 @@ def test_env_prints_the_fingerprint():
 
 @pytest.mark.e2e
 def test_help_of_every_command_prints():
-    for command in ([], ["digest"], ["compare"], ["doctor"], ["report"], ["rerun"], ["env"]):
+    for command in (
+        [],
+        ["digest"],
+        ["compare"],
+        ["doctor"],
+        ["report"],
+        ["rerun"],
+        ["env"],
+        ["evaluate"],
+        ["predict"],
+    ):
         out = repro(*command, "--help")
         assert out.returncode == 0 and "usage: repro" in out.stdout, (command, out.stderr)

@@ -128,7 +128,9 @@ def test_image_folder_reads_class_folders(tmp_path):
     assert d.train.images.shape[1:] == (3, 16, 16)
     lazy = image_folder(str(tmp_path), image_size=16, val_fraction=0.2, seed=0)
     every = torch.arange(len(d.val))
-    assert all(torch.equal(a, b) for a, b in zip(lazy.val.fetch(every), d.val.fetch(every)))
+    assert all(
+        torch.equal(a, b) for a, b in zip(lazy.val.fetch(every), d.val.fetch(every), strict=True)
+    )
     assert (lazy.mean, lazy.std) == (d.mean, d.std)
 
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, SMALL_DATA, run_train, train_here, user_env
+from conftest import ROOT, SMALL_DATA, TRACED, run_train, train_here, user_env
 from repro.config import compose
 from repro.data import synthetic, synthetic_shapes
 from repro.errors import ConfigError
-from repro.inference import choose_checkpoint, predict
+from repro.inference import choose_checkpoint, evaluate_checkpoint, predict
 
 TESTED = [
     "trainer.max_steps=8",
@@ -65,12 +65,10 @@ def test_repro_evaluate_gives_the_test_metrics_trainer_test_gave_bit_for_bit(tes
     later = repro("evaluate", tested.dir)  # another process, a while later
     assert later.returncode == 0, later.stderr
     assert json.loads(later.stdout) == test  # exact floats: JSON round-trips them
-    last = repro("evaluate", tested.dir, "--checkpoint", "last", "--split", "val")
-    assert last.returncode == 0, last.stderr
-    result = json.loads(last.stdout)
-    assert result["step"] == 8 and result["checkpoint"] == "checkpoint.pt"
-    # the final evaluation of the run, on the same split and weights
-    assert result["metrics"]["val_accuracy"] == tested.summary["val_accuracy"]
+    cfg = compose(TESTED, ROOT / "conf")
+    assert choose_checkpoint(tested.dir, cfg, "last") == tested.dir / "checkpoint.pt"
+    assert choose_checkpoint(tested.dir, cfg) == tested.dir / "best.pt"
+    assert choose_checkpoint(tested.dir / "none", cfg) == tested.dir / "none" / "checkpoint.pt"
 
 
 @pytest.mark.e2e
@@ -97,10 +95,10 @@ def test_repro_predict_writes_the_same_bytes_twice_and_refuses_to_overwrite(test
 
 @pytest.mark.e2e
 def test_a_run_without_a_test_split_is_one_line(traced_runs, tmp_path):
-    done = repro("evaluate", traced_runs["a"].dir)
-    assert done.returncode == 2
-    assert "has no test split; give it one (data.test_size" in done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1
+    run = traced_runs["a"]
+    cfg = compose(TRACED, ROOT / "conf")
+    with pytest.raises(ConfigError, match=r"has no test split; give it one \(data.test_size"):
+        evaluate_checkpoint(cfg, run.dir / "checkpoint.pt", torch.device("cpu"))
     with pytest.raises(ConfigError, match="trainer.test=true, but data .* has no test split"):
         train_here(tmp_path / "run", *SMALL_DATA, "trainer.max_steps=1", "trainer.test=true")
     assert not (tmp_path / "run").exists()  # refused before the run directory was made
