@@ -1,7 +1,12 @@
 """Data: the synthetic set, keyed augmentation, the keyed sampler, the loader, image folders."""
 
+import hashlib
 import itertools
+import os
+import pickle
+import tarfile
 
+import numpy as np
 import pytest
 import torch
 
@@ -143,15 +148,65 @@ def test_image_folder_errors_name_the_path(tmp_path):
         image_folder(str(tmp_path / "empty"))
 
 
-def test_cifar10_without_torchvision_says_how_to_install():
-    try:
-        import torchvision  # noqa: F401
-    except ImportError:
-        with pytest.raises(DataError, match=r"pip install -e '\.\[cifar10\]'"):
-            cifar10()
-    else:
-        with pytest.raises(DataError, match="data.root"):
-            cifar10(root="/nonexistent/cifar", download=False)
+def _cifar_folder(root, n=20):
+    """A cifar-10-batches-py folder in the official format (protocol 2 pickles of dicts
+    with bytes keys), ``n`` random images a batch."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    g = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {
+            b"batch_label": name.encode(),
+            b"labels": [int(v) for v in g.integers(0, 10, n)],
+            b"data": g.integers(0, 256, (n, 3072), dtype=np.uint8),
+            b"filenames": [b"x.png"] * n,
+        }
+        (folder / name).write_bytes(pickle.dumps(batch, protocol=2))
+    return folder
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_cifar10_reads_the_batches_folder_without_torchvision_or_running_code(tmp_path):
+    folder = _cifar_folder(tmp_path)
+    d = cifar10(root=str(tmp_path), download=False)
+    assert len(d.train) == 100 and len(d.val) == 20 and d.train.images.shape[1:] == (3, 32, 32)
+    first = pickle.loads((folder / "data_batch_1").read_bytes(), encoding="bytes")
+    assert torch.equal(d.train.images[0].flatten(), torch.from_numpy(first[b"data"][0]))
+    assert d.train.labels[:20].tolist() == first[b"labels"]
+    marker = tmp_path / "code-ran"
+    batch = {b"data": _RunsCode(marker), b"labels": [0]}
+    (folder / "test_batch").write_bytes(pickle.dumps(batch, protocol=2))
+    with pytest.raises(
+        DataError, match=r"test_batch was refused \(refused global (posix|os)\.system"
+    ):
+        cifar10(root=str(tmp_path), download=False)
+    assert not marker.exists()
+    with pytest.raises(DataError, match="no cifar-10-batches-py folder in data.root="):
+        cifar10(root=str(tmp_path / "none"), download=False)
+
+
+def test_cifar10_downloads_checks_the_md5_and_extracts(tmp_path, monkeypatch):
+    """The archive made here and served by a file:// URL: a wrong MD5 is refused and the
+    file deleted; the right one is extracted and read."""
+    import repro.data
+
+    _cifar_folder(tmp_path / "src")
+    archive = tmp_path / "cifar-10-python.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(tmp_path / "src" / "cifar-10-batches-py", arcname="cifar-10-batches-py")
+    with pytest.raises(DataError, match="gave a file whose MD5 is .*, not the published"):
+        cifar10(root=str(tmp_path / "a"), url=archive.as_uri())
+    assert not (tmp_path / "a" / archive.name).exists()
+    monkeypatch.setattr(repro.data, "CIFAR10_MD5", hashlib.md5(archive.read_bytes()).hexdigest())
+    d = cifar10(root=str(tmp_path / "b"), url=archive.as_uri())
+    assert len(d.train) == 100 and not (tmp_path / "b" / archive.name).exists()
 
 
 def test_tensor_images_checks_its_input():

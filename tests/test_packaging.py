@@ -27,7 +27,8 @@ def test_environment_yml_lists_the_core_dependencies_of_pyproject():
 def test_console_command_and_extras():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["scripts"]["repro"] == "repro.cli:main"
-    assert {"dev", "cifar10", "images"} <= project["optional-dependencies"].keys()
+    assert {"dev", "images"} <= project["optional-dependencies"].keys()
+    assert "cifar10" not in project["optional-dependencies"]  # read without torchvision
     assert {_name(r) for r in project["dependencies"]} == {
         "torch",
         "numpy",
