@@ -99,8 +99,9 @@ def test_fast_and_amp_run_and_report_what_they_set(tmp_path):
 
 @pytest.mark.e2e
 def test_multirun_makes_one_directory_per_seed_named_by_seed(tmp_path):
+    """Under paths.sweep_dir (conf/paths: where this machine writes runs)."""
     proc = subprocess.run(
-        train_cmd("-m", "seed=0,1", *TINY),
+        train_cmd("-m", "seed=0,1", *TINY, "paths.sweep_dir=sweeps"),
         cwd=tmp_path,
         env=user_env(),
         capture_output=True,
@@ -108,8 +109,8 @@ def test_multirun_makes_one_directory_per_seed_named_by_seed(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
-    jobs = sorted(p.parent.name for p in tmp_path.glob("multirun/*/*/*/summary.json"))
-    assert jobs == ["0_seed=0", "1_seed=1"]
+    jobs = sorted(p.parent.name for p in tmp_path.glob("sweeps/*/*/*/summary.json"))
+    assert jobs == ["0_seed=0", "1_seed=1"] and not (tmp_path / "multirun").exists()
 
 
 @pytest.mark.e2e
@@ -312,3 +313,30 @@ def test_a_loader_error_met_while_looking_ahead_comes_after_the_step_before_it(
         train_here(run_dir, *TINY, "trainer.max_steps=8", "trainer.checkpoint_every=4")
     assert (run_dir / "checkpoints" / "step-00000004.pt").is_file()
     assert (run_dir / "metrics.csv").read_text().splitlines()[-1].startswith("4,")
+
+
+def test_debug_smoke_runs_the_pipeline_in_four_steps(tmp_path):
+    run = train_here(tmp_path / "smoke", "debug=smoke", *SMALL_DATA, "model.width=8")
+    assert run.summary["steps"] == 4
+    evaluated = (run.dir / "eval.csv").read_text().splitlines()[1:]
+    assert [line.split(",")[0] for line in evaluated] == ["2", "4"]
+    kept = sorted(p.name for p in (run.dir / "checkpoints").glob("step-*.pt"))
+    assert kept == ["step-00000004.pt"] and (run.dir / "best.pt").is_file()
+
+
+def test_debug_overfit_trains_on_one_batch_until_it_fits(tmp_path):
+    """The traced steps' inputs (1, 20, ..., 120) all have the first step's digest, and the
+    loss on that batch falls far below its start."""
+    run = train_here(
+        tmp_path / "overfit",
+        "debug=overfit",
+        *SMALL_DATA,
+        "model.width=8",
+        "trainer.max_steps=120",
+        "trainer.trace_every=20",
+    )
+    records = [json.loads(line) for line in (run.dir / "trace.jsonl").read_text().splitlines()]
+    batches = [json.dumps(r["batch"]) for r in records if r.get("batch")]
+    assert len(batches) == 7 and len(set(batches)) == 1
+    losses = [float(x) for x in run.losses]
+    assert losses[-1] < 0.2 * losses[0]

@@ -189,6 +189,7 @@ def build_loader(
         start_step=start_step,
         shard=shard,
         device=device,
+        overfit_batch=bool(cfg.trainer.overfit_batch),
     )
 
 

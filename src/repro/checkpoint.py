@@ -226,6 +226,7 @@ RELEVANT_CONFIG = (
     "trainer.compile",  # compiled kernels are other kernels
     "trainer.channels_last",  # so are those of another memory format
     "trainer.ema",  # the evaluations (and best.pt) see the average
+    "trainer.overfit_batch",  # which samples every step trains on
 )
 # Keys that checkpoints written before they existed lack, and what their absence meant then.
 ABSENT_MEANS = {
@@ -235,6 +236,7 @@ ABSENT_MEANS = {
     "trainer.ema.decay": None,
     "trainer.ema.start": 0,
     "optim.clip_grad_norm": None,
+    "trainer.overfit_batch": False,
 }
 # Relevant-looking keys that cannot change the bits of a resumed run: the NCCL settings only
 # matter to dist.reduction=all_reduce, which is compared itself; filling new tensors with

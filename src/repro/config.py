@@ -128,6 +128,7 @@ class TrainerConfig:
     trace_every: int = 50  # digest every state-dict tensor every N steps (0: first/last only)
     ema: EmaConfig = field(default_factory=EmaConfig)  # evaluate an average of the weights
     test: bool = False  # at the end: best.pt (else the final checkpoint) on the test split
+    overfit_batch: bool = False  # every step trains on the first step's batch (debug=overfit)
 
 
 @dataclass
@@ -140,6 +141,15 @@ class DistConfig:
 
 
 @dataclass
+class PathsConfig:
+    """Where this machine keeps data and writes runs (``conf/paths``)."""
+
+    data_dir: str = "data"
+    output_dir: str = "outputs"
+    sweep_dir: str = "multirun"
+
+
+@dataclass
 class TrainConfig:
     seed: int = 0
     device: str = "auto"
@@ -148,6 +158,7 @@ class TrainConfig:
     amp: AmpConfig = field(default_factory=AmpConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
     # Everything swappable arrives by ``_target_``: any keys, checked against the target's
     # signature in validate() (TARGET_GROUPS).
     model: Any = MISSING

@@ -796,6 +796,7 @@ class KeyedBatchSampler:
         seed: int,
         start_step: int = 0,
         shard: tuple[int, int] | None = None,
+        same_step: bool = False,
     ) -> None:
         if dataset_size < batch_size:
             raise DataError(
@@ -806,10 +807,11 @@ class KeyedBatchSampler:
         self.seed, self.start_step = seed, start_step
         self.first, self.count = shard or (0, batch_size // micro_batch_size)
         self.steps_per_epoch = dataset_size // batch_size
+        self.same_step = same_step  # every step is step 0 (trainer.overfit_batch)
         self._cached_epoch, self._cached_perm = -1, []
 
     def step_keys(self, step: int) -> list[tuple[int, int]]:
-        epoch, pos = divmod(step, self.steps_per_epoch)
+        epoch, pos = divmod(0 if self.same_step else step, self.steps_per_epoch)
         perm = self._permutation(epoch)
         return [(epoch, i) for i in perm[pos * self.batch_size : (pos + 1) * self.batch_size]]
 
@@ -832,7 +834,7 @@ class KeyedBatchSampler:
         on ``device`` (a slice of the epoch's permutation, copied there once an epoch)."""
         step, held = self.start_step, (-1, None, None)
         while True:
-            epoch, pos = divmod(step, self.steps_per_epoch)
+            epoch, pos = divmod(0 if self.same_step else step, self.steps_per_epoch)
             if held[0] != epoch:
                 perm = keyed_permutation(self.n, self.seed, "order", epoch).to(device)
                 held = (epoch, perm, torch.tensor([epoch], dtype=torch.int64, device=device))
@@ -926,6 +928,7 @@ def make_train_loader(
     start_step: int = 0,
     shard: tuple[int, int] | None = None,
     device: torch.device | None = None,
+    overfit_batch: bool = False,
 ) -> DataLoader | DeviceBatches:
     """The micro-batches of the training split (infinite; the loop counts):
     ``shard=(first, count)``: only those micro-batches of each step (this rank's share).
@@ -934,7 +937,7 @@ def make_train_loader(
     :class:`DeviceBatches` on ``device``. Either way ``.sampler`` is the
     :class:`KeyedBatchSampler`."""
     sampler = KeyedBatchSampler(
-        len(splits.train), batch_size, micro_batch_size, seed, start_step, shard
+        len(splits.train), batch_size, micro_batch_size, seed, start_step, shard, overfit_batch
     )
     if getattr(loader_cfg, "on_device", False):
         split = splits.train.to(device or torch.device("cpu"))  # a split on disk: read in
