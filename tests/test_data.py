@@ -1,5 +1,6 @@
 """Data: the synthetic set, keyed augmentation, the keyed sampler, the loader, image folders."""
 
+import errno
 import hashlib
 import itertools
 import os
@@ -190,6 +191,10 @@ def test_cifar10_reads_the_batches_folder_without_torchvision_or_running_code(tm
     assert not marker.exists()
     with pytest.raises(DataError, match="no cifar-10-batches-py folder in data.root="):
         cifar10(root=str(tmp_path / "none"), download=False)
+    truncated = (folder / "data_batch_1").read_bytes()
+    (folder / "test_batch").write_bytes(truncated[: len(truncated) // 2])
+    with pytest.raises(DataError, match=r"cannot read .*test_batch \((UnpicklingError|EOFError)"):
+        cifar10(root=str(tmp_path), download=False)  # damaged, not refused as code
 
 
 def test_cifar10_downloads_checks_the_md5_and_extracts(tmp_path, monkeypatch):
@@ -347,6 +352,15 @@ def test_a_lazy_split_reads_files_when_fetched_and_stops_or_skips_a_bad_one(tmp_
     assert got.tolist() == [2, 0, 2]  # 04.jpg's label came with its image
     assert torch.equal(images[0], read_image(files[2], 16)) and torch.equal(images[0], images[2])
     assert torch.equal(split.to(torch.device("cpu")).images[1], images[0])
+    import repro.data
+
+    def disk_fails(path, size):
+        raise DataError(f"data: cannot read image {path}") from OSError(errno.EIO, "I/O error")
+
+    with pytest.MonkeyPatch.context() as patch:  # the disk, not the file: never skipped
+        patch.setattr(repro.data, "read_image", disk_fails)
+        with pytest.raises(DataError, match="cannot read image"):
+            split.fetch(torch.tensor([0]))
     with pytest.raises(DataError, match="data.on_bad_image='ignore' is invalid"):
         image_folder(str(root), on_bad_image="ignore")
 

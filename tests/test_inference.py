@@ -78,6 +78,9 @@ def test_repro_evaluate_gives_the_test_metrics_trainer_test_gave_bit_for_bit(tes
     assert choose_checkpoint(tested.dir, cfg, "last") == tested.dir / "checkpoint.pt"
     assert choose_checkpoint(tested.dir, cfg) == tested.dir / "best.pt"
     assert choose_checkpoint(tested.dir / "none", cfg) == tested.dir / "none" / "checkpoint.pt"
+    other = compose([*TESTED, "trainer.eval_batch_size=7"], ROOT / "conf")
+    with pytest.raises(ConfigError, match=r"trainer.eval_batch_size: 256 \(checkpoint\) vs 7"):
+        evaluate_checkpoint(other, tested.dir / "best.pt", torch.device("cpu"))
 
 
 @pytest.mark.e2e

@@ -227,6 +227,8 @@ RELEVANT_CONFIG = (
     "trainer.channels_last",  # so are those of another memory format
     "trainer.ema",  # the evaluations (and best.pt) see the average
     "trainer.overfit_batch",  # which samples every step trains on
+    "trainer.eval_every",  # which evaluations best.pt chooses from
+    "trainer.eval_batch_size",  # the evaluation's sums, in their order
 )
 # Keys that checkpoints written before they existed lack, and what their absence meant then.
 ABSENT_MEANS = {
@@ -244,7 +246,12 @@ ABSENT_MEANS = {
 # tensor and changes no bit).
 # A test split is generated apart from the training and validation data: its size changes
 # no bit of training.
-NOT_COMPARED = ("determinism.nccl_env", "determinism.fill_uninitialized_memory", "data.test_size")
+NOT_COMPARED = (
+    "determinism.nccl_env",
+    "determinism.fill_uninitialized_memory",
+    "data.test_size",
+    "data.in_memory",  # image_folder read up front or per sample: the same bytes (tested)
+)
 RELEVANT_ENVIRONMENT = ("torch", "cuda", "cudnn", "gpu", "gpu_sm_count")
 # Where the CPU computes the step, the kernels it dispatches to decide the bits too.
 RELEVANT_ON_CPU = ("cpu_capability", "cpu_isa", "cpu_dispatch_limits")

@@ -173,7 +173,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from repro.inference import choose_checkpoint, predict
 
     out, inputs = Path(args.out), Path(args.input_dir)
-    if out.exists() and (out.is_file() or any(out.iterdir())):
+    if out.exists():
         raise ReproError(f"{out}: exists; give another --out (nothing was overwritten).")
     if not inputs.is_dir():
         raise ReproError(f"{inputs}: not a directory; give a folder of images.")

@@ -20,9 +20,11 @@ from __future__ import annotations
 import logging
 import math
 import multiprocessing
+import os
 import pickle
 import shutil
 import signal
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -322,6 +324,9 @@ class LazyImages:
             try:
                 return j, read_image(self.files[j], self.image_size)
             except DataError as err:
+                cause = err.__cause__
+                if isinstance(cause, OSError) and cause.errno is not None:
+                    raise  # the disk or filesystem (EIO, EMFILE...), not the file: no skip
                 if j not in self._skipped:
                     self._skipped.add(j)
                     log.warning(f"{err} Skipped (data.on_bad_image=skip): the next file instead.")
@@ -625,6 +630,11 @@ def cifar10(
     )
 
 
+class _RefusedGlobal(pickle.UnpicklingError):
+    """A pickle names a global outside :class:`_PlainArrays`' list (truncated data raises
+    the base class instead)."""
+
+
 class _PlainArrays(pickle.Unpickler):
     """Builds what a CIFAR-10 batch holds -- a dict of lists, strings and NumPy arrays --
     and refuses every other global a pickle may name (the way pickled code runs)."""
@@ -639,7 +649,7 @@ class _PlainArrays(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in self.ALLOWED:
-            raise pickle.UnpicklingError(f"refused global {module}.{name}")
+            raise _RefusedGlobal(f"refused global {module}.{name}")
         return super().find_class(module, name)
 
 
@@ -652,12 +662,12 @@ def read_cifar_batch(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
         data, labels = batch[b"data"], batch[b"labels"]
         images = torch.from_numpy(np.asarray(data, dtype=np.uint8).reshape(-1, 3072).copy())
         targets = torch.tensor(list(labels), dtype=torch.int64)
-    except pickle.UnpicklingError as err:
+    except _RefusedGlobal as err:
         raise DataError(
             f"data=cifar10: {path} was refused ({err}): it is not a plain CIFAR-10 batch "
             "and loading it could run code; replace it with the official archive's."
         ) from None
-    except (OSError, EOFError, KeyError, TypeError, ValueError) as err:
+    except (OSError, EOFError, KeyError, TypeError, ValueError, pickle.UnpicklingError) as err:
         raise DataError(
             f"data=cifar10: cannot read {path} ({type(err).__name__}: {err}); extract the "
             "official archive there again."
@@ -669,31 +679,54 @@ def read_cifar_batch(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fetch_cifar10(root: Path, url: str) -> None:
     """Download the archive into ``root``, check its MD5, extract the batches folder."""
+    root.mkdir(parents=True, exist_ok=True)
+    # everything in a private folder beside the destination, renamed into place at the end:
+    # parallel jobs downloading at once never see each other's half-written files
+    work = Path(tempfile.mkdtemp(prefix=".cifar10-", dir=root))
+    try:
+        _download_and_extract(url, work)
+        try:
+            os.rename(work / CIFAR10_DIR, root / CIFAR10_DIR)
+        except OSError:
+            if not (root / CIFAR10_DIR).is_dir():  # another job's rename won: use its copy
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _download_and_extract(url: str, work: Path) -> None:
     import hashlib
     import tarfile
     import urllib.request
 
-    root.mkdir(parents=True, exist_ok=True)
-    archive = root / Path(url).name
+    archive = work / Path(url).name
     try:
         with urllib.request.urlopen(url, timeout=60) as response, open(archive, "wb") as out:
             shutil.copyfileobj(response, out)
     except OSError as err:
-        archive.unlink(missing_ok=True)
         raise DataError(
             f"data=cifar10: could not download {url} ({err}); check the network, or place "
-            f"the extracted {CIFAR10_DIR} folder in data.root={str(root)!r}."
+            f"the extracted {CIFAR10_DIR} folder in data.root."
         ) from None
     digest = hashlib.md5(archive.read_bytes()).hexdigest()
     if digest != CIFAR10_MD5:
-        archive.unlink()
         raise DataError(
             f"data=cifar10: {url} gave a file whose MD5 is {digest}, not the published "
             f"{CIFAR10_MD5}; it was deleted. Download the archive yourself."
         )
     with tarfile.open(archive) as tar:
-        tar.extractall(root, filter="data")  # no links out, no devices, no absolute paths
-    archive.unlink()
+        if hasattr(tarfile, "data_filter"):  # Python 3.11.4 and later
+            tar.extractall(work, filter="data")  # no links out, devices or absolute paths
+        else:
+            for member in tar.getmembers():
+                parts = Path(member.name).parts
+                if (
+                    not (member.isfile() or member.isdir())
+                    or member.name.startswith("/")
+                    or ".." in parts
+                ):
+                    raise DataError(f"data=cifar10: {url} holds {member.name!r}; not extracted.")
+            tar.extractall(work)
 
 
 # --------------------------------------------------------------- keyed augmentation
@@ -872,6 +905,7 @@ class DeviceBatches:
         held: tuple[torch.Tensor | None, Any] = (None, None)
         for epoch, index in self.sampler.index_tensors(device):
             if held[0] is not epoch:  # a new epoch (index_tensors makes one tensor an epoch)
+                held = images = targets = None  # the last epoch's copy goes first
                 held = (epoch, self.augmented(epoch, device))
             images, targets = held[1]
             yield images[index], targets[index]

@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig
 
 from repro.build import build_data, build_training
-from repro.checkpoint import cannot_restore, load_checkpoint, sidecar
+from repro.checkpoint import cannot_restore, load_checkpoint, mismatches, sidecar
 from repro.data import DataSplits, DeviceNormalizer
 from repro.errors import CheckpointError, ConfigError
 from repro.evaluation import evaluate
@@ -55,9 +55,10 @@ def evaluate_checkpoint(
     if held_out is None:
         raise ConfigError(
             f"data ({cfg.data._target_}) has no test split; give it one (data.test_size for "
-            "the synthetic sets, data.test_fraction for image_folder), or evaluate on val."
+            "the synthetic sets), or evaluate on val."
         )
     state = load_checkpoint(checkpoint, map_location=device)  # verified against its sidecar
+    differences = settings_differ(state, cfg, device)
     training = build_training(cfg, data, device)
     wrong = cannot_restore(training, state)
     if wrong:
@@ -74,7 +75,27 @@ def evaluate_checkpoint(
         "step": int(state["step"]),
         "checkpoint_sha256": digest,
         "metrics": {k.replace("val_", f"{split}_", 1): v for k, v in metrics.items()},
+        # another machine or version than the checkpoint's: the bits may differ from
+        # trainer.test's (the metrics are still this machine's, deterministic)
+        "environment_differs": differences,
     }
+
+
+def settings_differ(state: dict[str, Any], cfg: DictConfig, device: torch.device) -> list[str]:
+    """Refuse a config whose bit-relevant settings are not the checkpoint's (a conf/ default
+    edited since, an override): one line listing them. Returns the environment's
+    differences (another torch, GPU or CPU instruction set), which are only recorded."""
+    from repro.config import resolved_container
+    from repro.fingerprint import environment
+
+    found = mismatches(state, resolved_container(cfg), environment(), device.type)
+    config = [m for m in found if not m.startswith(("environment.", "device:"))]
+    if config:
+        raise ConfigError(
+            f"the config differs from the checkpoint's where it decides the bits "
+            f"({'; '.join(config)}); evaluate with the run's own settings."
+        )
+    return [m for m in found if m not in config]
 
 
 def predict(
@@ -149,6 +170,10 @@ def _write_masks(out: Path, names: list[str], masks: torch.Tensor) -> None:
     from repro.data import _pillow
 
     Image = _pillow()
+    targets = [Path(name).with_suffix(".png") for name in names]
+    if len(set(targets)) != len(targets):
+        clash = next(t for t in targets if targets.count(t) > 1)
+        raise ConfigError(f"two inputs would both give the mask {clash}; rename one of them.")
     for name, mask in zip(names, masks, strict=True):
         target = out / Path(name).with_suffix(".png")
         image = Image.fromarray(mask.numpy(), mode="L")
