@@ -14,7 +14,6 @@ from conftest import (
     SMALL_DATA,
     TRACED,
     preserved_global_state,
-    run_train,
     train_here,
     user_env,
 )
@@ -60,8 +59,13 @@ def write_images(folder, images: torch.Tensor) -> None:
 
 @pytest.fixture(scope="module")
 def tested(tmp_path_factory):
-    """One run of train.py with trainer.test=true (evaluations at steps 4 and 8)."""
-    return run_train(tmp_path_factory.mktemp("tested") / "run", *TESTED)
+    """A run with trainer.test=true (evaluations at steps 4 and 8), trained in this process
+    with the launch's overrides written where train.py writes them (.hydra/overrides.yaml),
+    which is what repro evaluate and predict compose the run's config from."""
+    run = train_here(tmp_path_factory.mktemp("tested") / "run", *TESTED)
+    (run.dir / ".hydra").mkdir()
+    (run.dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in TESTED))
+    return run
 
 
 @pytest.mark.e2e
