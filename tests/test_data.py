@@ -138,6 +138,12 @@ def test_image_folder_reads_class_folders(tmp_path):
         torch.equal(a, b) for a, b in zip(lazy.val.fetch(every), d.val.fetch(every), strict=True)
     )
     assert (lazy.mean, lazy.std) == (d.mean, d.std)
+    held = image_folder(str(tmp_path), image_size=16, val_fraction=0.2, seed=0, test_fraction=0.2)
+    names = {s: {str(f) for f in getattr(held, s).files} for s in ("train", "val", "test")}
+    assert len(names["test"]) == 3 and len(names["train"]) == 9
+    assert not names["test"] & (names["train"] | names["val"])
+    assert names["val"] == {str(f) for f in lazy.val.files}  # the same validation split
+    assert d.test is None
 
 
 def test_image_folder_errors_name_the_path(tmp_path):

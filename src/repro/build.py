@@ -94,7 +94,8 @@ def build_data(cfg: DictConfig, world: World | None = None) -> DataSplits:
     if cfg.trainer.test and getattr(data, "test", None) is None:
         raise ConfigError(
             f"trainer.test=true, but data ({cfg.data._target_}) has no test split; give it "
-            "one (data.test_size for the synthetic sets), or set trainer.test=false."
+            "one (data.test_size for the synthetic sets, data.test_fraction for image_folder), "
+            "or set trainer.test=false."
         )
     return data
 

@@ -224,6 +224,7 @@ def image_folder(
     augment: bool = True,
     in_memory: bool = False,
     on_bad_image: str = "stop",
+    test_fraction: float = 0.0,
 ) -> DataSplits:
     """Your own images, one sub-folder per class (``root/cat/1.png``, ``root/dog/7.jpg``).
 
@@ -235,7 +236,9 @@ def image_folder(
     file with the same function and normalise with the statistics of the same first
     training images (:data:`STATISTICS_SAMPLE`), so they give the same bits.
 
-    ``on_bad_image``: ``stop`` (a file that cannot be read stops the run with one line
+    ``test_fraction``: a test split held out of the training files by another keyed
+    permutation (the validation split stays the one without it; trainer.test, repro
+    evaluate). ``on_bad_image``: ``stop`` (a file that cannot be read stops the run with one line
     naming it) or ``skip`` (it is replaced by the next readable file of its split, in file
     order -- the same one in any worker, process or resume -- and named in a warning)."""
     _pillow()
@@ -268,6 +271,18 @@ def image_folder(
         )
     labels = torch.tensor([label for _, label in files])
     train_idx, val_idx = keyed_split(len(files), val_fraction, seed, "image-folder-split", path)
+    test_idx = None
+    if test_fraction:
+        if not 0 < test_fraction < 1:
+            raise DataError(
+                f"data.test_fraction={test_fraction} is invalid; allowed: a number in [0, 1)."
+            )
+        order = keyed_permutation(len(train_idx), seed, "image-folder-test")
+        n_test = max(1, round(test_fraction * len(files)))
+        if n_test >= len(train_idx):
+            raise DataError(f"data.path={path!r}: too few images to hold out data.test_fraction.")
+        test_idx = train_idx[order[:n_test]].sort().values
+        train_idx = train_idx[order[n_test:]].sort().values
 
     def split(index: torch.Tensor) -> Split:
         lazy = LazyImages([files[i][0] for i in index], labels[index], image_size, on_bad_image)
@@ -283,6 +298,7 @@ def image_folder(
         augment,
         mean=tuple(sample.mean(dim=(0, 2, 3)).tolist()),
         std=tuple(sample.std(dim=(0, 2, 3)).clamp_min(1e-3).tolist()),
+        test=split(test_idx) if test_idx is not None else None,
     )
 
 

@@ -55,7 +55,7 @@ def evaluate_checkpoint(
     if held_out is None:
         raise ConfigError(
             f"data ({cfg.data._target_}) has no test split; give it one (data.test_size for "
-            "the synthetic sets), or evaluate on val."
+            "the synthetic sets, data.test_fraction for image_folder), or evaluate on val."
         )
     state = load_checkpoint(checkpoint, map_location=device)  # verified against its sidecar
     differences = settings_differ(state, cfg, device)
