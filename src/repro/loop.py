@@ -9,9 +9,10 @@ Each concern has its own module; this one only puts them in order:
 ``repro.build``        data, model, task, optimizer, schedule, precision from the config
 ``repro.step``         one step: K micro-batches summed in a fixed order
 ``repro.evaluation``   the task's metrics on the validation split
+``repro.inference``    trainer.test: the best checkpoint on the test split
 ``repro.logs``         ``metrics.csv``, ``eval.csv``, ``trace.jsonl``, the console
 ``repro.trace``        what the trace digests (inputs, weights)
-``repro.checkpoint``   atomic, checksummed checkpoints; restoring one
+``repro.checkpoint``   atomic, checksummed checkpoints and best.pt; restoring one
 ``repro.preemption``   SIGTERM/SIGUSR1: stop after the step (the loop checkpoints first)
 ``repro.dist``         torchrun: ranks, shares of a step, the reduction across ranks
 =====================  ===============================================================
