@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -223,6 +223,11 @@ class Training:
     batch_size: int  # the global batch B: each micro-batch's summed loss is divided by it
     clip_grad_norm: float | None = None  # optim.clip_grad_norm: the global norm's limit
     ema: WeightAverage | None = None  # trainer.ema: the weights evaluations see
+
+    def evaluated_weights(self) -> AbstractContextManager:
+        """Inside: the weights evaluations see -- the average with ``trainer.ema``, else the
+        model's own."""
+        return self.ema.applied() if self.ema is not None else nullcontext()
 
     @functools.cached_property
     def parameters(self) -> list[nn.Parameter]:

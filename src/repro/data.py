@@ -119,9 +119,7 @@ class DataSplits:
 
     def __post_init__(self) -> None:
         if self.mean is None or self.std is None:
-            x = statistics_sample(self.train).to(torch.float64).div(255)
-            self.mean = tuple(x.mean(dim=(0, 2, 3)).tolist())
-            self.std = tuple(x.std(dim=(0, 2, 3)).clamp_min(1e-3).tolist())
+            self.mean, self.std = channel_statistics(statistics_sample(self.train))
 
     @property
     def in_channels(self) -> int:
@@ -130,6 +128,15 @@ class DataSplits:
 
 # At most this many training images give the normalisation of a split read from disk.
 STATISTICS_SAMPLE = 256
+
+
+def channel_statistics(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and standard deviation (at least 1e-3) of uint8 N×C×H×W images, in
+    [0, 1]: what the inputs are normalised with."""
+    x = images.to(torch.float64).div(255)
+    return tuple(x.mean(dim=(0, 2, 3)).tolist()), tuple(
+        x.std(dim=(0, 2, 3)).clamp_min(1e-3).tolist()
+    )
 
 
 def statistics_sample(split: Split) -> torch.Tensor:
@@ -289,15 +296,17 @@ def image_folder(
         return lazy.to(torch.device("cpu")) if in_memory else lazy
 
     train = split(train_idx)
+    # the same first training images, in memory or not (statistics_sample would take all of
+    # an in-memory split): the same statistics, so the same bits
     first = torch.arange(min(len(train), STATISTICS_SAMPLE))
-    sample = train.fetch(first)[0].to(torch.float64).div(255)
+    mean, std = channel_statistics(train.fetch(first)[0])
     return DataSplits(
         train,
         split(val_idx),
         len(classes),
         augment,
-        mean=tuple(sample.mean(dim=(0, 2, 3)).tolist()),
-        std=tuple(sample.std(dim=(0, 2, 3)).clamp_min(1e-3).tolist()),
+        mean=mean,
+        std=std,
         test=split(test_idx) if test_idx is not None else None,
     )
 

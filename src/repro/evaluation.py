@@ -28,8 +28,7 @@ def evaluate(
     n = len(split) if limit is None else min(limit, len(split))
     model.eval()
     totals: dict[str, torch.Tensor] = {}
-    average = training.ema.applied() if training.ema is not None else contextlib.nullcontext()
-    with average:  # trainer.ema: the averaged weights
+    with training.evaluated_weights():  # trainer.ema: the averaged weights
         for i in range(0, n, batch_size):
             inputs, targets = normalize(*split.fetch(torch.arange(i, min(i + batch_size, n))))
             with training.precision.autocast():

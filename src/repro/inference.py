@@ -11,14 +11,13 @@ versions are the same; ``env.json`` says which they were).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig
 
-from repro.build import build_data, build_training
+from repro.build import Training, build_data, build_training
 from repro.checkpoint import cannot_restore, load_checkpoint, mismatches, sidecar
 from repro.data import DataSplits, DeviceNormalizer
 from repro.errors import CheckpointError, ConfigError
@@ -59,13 +58,7 @@ def evaluate_checkpoint(
         )
     state = load_checkpoint(checkpoint, map_location=device)  # verified against its sidecar
     differences = settings_differ(state, cfg, device)
-    training = build_training(cfg, data, device)
-    wrong = cannot_restore(training, state)
-    if wrong:
-        raise CheckpointError(f"{checkpoint}: {wrong}; it is not this run's model.")
-    training.model.load_state_dict(state["model"])
-    if training.ema is not None:
-        training.ema.load_state_dict(state.get("ema"), checkpoint)
+    training = restored(cfg, checkpoint, state, device, data)
     normalize = DeviceNormalizer(data, device, bool(cfg.trainer.channels_last))
     metrics = evaluate(training, held_out, normalize, int(cfg.trainer.eval_batch_size))
     digest = sidecar(checkpoint).read_text().split()[0]
@@ -79,6 +72,25 @@ def evaluate_checkpoint(
         # trainer.test's (the metrics are still this machine's, deterministic)
         "environment_differs": differences,
     }
+
+
+def restored(
+    cfg: DictConfig,
+    checkpoint: Path,
+    state: dict[str, Any],
+    device: torch.device,
+    data: DataSplits,
+) -> Training:
+    """The run's model (and weight average) rebuilt from ``cfg`` with the weights of
+    ``state``, the loaded ``checkpoint``."""
+    training = build_training(cfg, data, device)
+    wrong = cannot_restore(training, state)
+    if wrong:
+        raise CheckpointError(f"{checkpoint}: {wrong}; it is not this run's model.")
+    training.model.load_state_dict(state["model"])
+    if training.ema is not None:
+        training.ema.load_state_dict(state.get("ema"), checkpoint)
+    return training
 
 
 def settings_differ(state: dict[str, Any], cfg: DictConfig, device: torch.device) -> list[str]:
@@ -117,21 +129,14 @@ def predict(
         raise ConfigError(f"data ({cfg.data._target_}) has no image_size to read inputs at.")
     data = build_data(cfg)  # its normalisation statistics
     state = load_checkpoint(checkpoint, map_location=device)
-    training = build_training(cfg, data, device)
-    wrong = cannot_restore(training, state)
-    if wrong:
-        raise CheckpointError(f"{checkpoint}: {wrong}; it is not this run's model.")
-    training.model.load_state_dict(state["model"])
-    if training.ema is not None:
-        training.ema.load_state_dict(state.get("ema"), checkpoint)
+    training = restored(cfg, checkpoint, state, device, data)
     normalize = DeviceNormalizer(data, device, bool(cfg.trainer.channels_last))
     names = [str(p.relative_to(inputs)) for p in files]
     batch = int(cfg.trainer.eval_batch_size)
     results: list[torch.Tensor] = []
     model = training.model
     model.eval()
-    average = training.ema.applied() if training.ema is not None else nullcontext()
-    with torch.no_grad(), average:
+    with torch.no_grad(), training.evaluated_weights():
         for i in range(0, len(files), batch):
             images = torch.stack([read_image(p, int(size)) for p in files[i : i + batch]])
             x, _ = normalize(images, torch.zeros(len(images), dtype=torch.int64))
