@@ -2,7 +2,8 @@
 """Memory and speed of ``data=image_folder`` read per sample (lazy) or up front (in memory).
 
     python scripts/folder_benchmark.py --sizes 2000 20000 --workers 2 4 8
-    python scripts/folder_benchmark.py --sizes 2000 --workers 2 -- device=cuda amp=on
+    python scripts/folder_benchmark.py --sizes 2000 --workers 2 8 --repeats 3 --on-device \
+        --steps 300 -- device=cuda amp=on
 
 Writes class folders of ``--image-size`` images (10 classes, PNG and JPEG, varied sizes;
 kept in ``--root`` for the next call), then trains ``--steps`` steps of the default
@@ -11,8 +12,10 @@ peak resident memory of the training process and of its largest child process (t
 kernel's ``ru_maxrss``; children are forked, so a child's peak counts the pages it still
 shares with the training process at the fork: the loader workers, and helpers such as
 ``git`` for the fingerprint), images/s over the steady steps, and the weights' digest (lazy and
-in-memory must give one digest per folder). Writes ``folder-<date>-<gpu or cpu>.md/.json``
-under ``--out``.
+in-memory must give one digest per folder). ``--on-device`` adds the in-memory split kept on
+the GPU (``loader=device``): the loader's ratio to data already there says whether the GPU
+waits on the loader. ``--repeats`` runs every cell of a folder size in turn that many times
+(median, min and max reported). Writes ``folder-<date>-<gpu or cpu>.md/.json`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -96,6 +100,8 @@ def main() -> None:
     p.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--on-device", action="store_true", help="add the split kept on the GPU")
     p.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "repro-folders")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks")
     p.add_argument("overrides", nargs="*", help="train.py overrides (after --)")
@@ -119,14 +125,39 @@ def main() -> None:
             for w in args.workers[:1]
         ]
         cells += [("lazy", w, ["loader=multi", f"loader.num_workers={w}"]) for w in args.workers]
-        for mode, workers, extra in cells:
-            r = run([*base, *extra])
-            rows.append({"images": n, "mode": mode, "workers": workers, **r})
-            print(
-                f"{n:6d} {mode:9} workers {workers}: main {r['main_mib']:7.0f} MiB, largest child "
-                f"{r['worker_mib']:6.0f} MiB, {r['images_per_second']:7.1f} img/s  {r['weights'][:12]}",
-                flush=True,
+        if args.on_device:
+            cells.append(("on device", 0, ["data.in_memory=true", "loader=device"]))
+        runs: dict[int, list[dict]] = {i: [] for i in range(len(cells))}
+        for repeat in range(args.repeats):  # every cell in turn: drift hits them alike
+            for i, (mode, workers, extra) in enumerate(cells):
+                r = run([*base, *extra])
+                runs[i].append(r)
+                print(
+                    f"{n:6d} {mode:9} workers {workers} #{repeat}: main {r['main_mib']:7.0f} MiB, "
+                    f"largest child {r['worker_mib']:6.0f} MiB, "
+                    f"{r['images_per_second']:7.1f} img/s  {r['weights'][:12]}",
+                    flush=True,
+                )
+        for i, (mode, workers, _) in enumerate(cells):
+            rs = runs[i]
+            speeds = sorted(r["images_per_second"] for r in rs)
+            rows.append(
+                {
+                    "images": n,
+                    "mode": mode,
+                    "workers": workers,
+                    "main_mib": max(r["main_mib"] for r in rs),
+                    "worker_mib": max(r["worker_mib"] for r in rs),
+                    "images_per_second": statistics.median(speeds),
+                    "images_per_second_all": [r["images_per_second"] for r in rs],
+                    "weights": sorted({r["weights"] for r in rs}),
+                    "environment": rs[0]["environment"],
+                }
             )
+        if args.on_device:
+            device_speed = rows[-1]["images_per_second"]
+            for r in rows[-len(cells) :]:
+                r["vs_on_device"] = r["images_per_second"] / device_speed
     env = rows[0]["environment"]
     for r in rows:
         del r["environment"]
@@ -139,15 +170,24 @@ def main() -> None:
         f"varied sizes before resizing), 10 classes, the default ConvNet, {args.steps} steps, "
         "one `python train.py` process per row. Memory: peak resident set of the training "
         "process, and of its largest child (`ru_maxrss`; forked children, the loader workers "
-        "and helpers, count the pages they share with the training process at the fork).",
+        "and helpers, count the pages they share with the training process at the fork). "
+        f"Memory is the largest over {args.repeats} repeat(s); img/s the median (min–max) "
+        "of the repeats, every cell of a size in turn. *vs on device*: the median's ratio to the "
+        "split kept on the GPU (`loader=device`, `data.in_memory=true`).",
         "",
-        "| images | mode | workers | training process MiB | largest child MiB | img/s | weights |",
-        "|---|---|---|---|---|---|---|",
+        "| images | mode | workers | training process MiB | largest child MiB | img/s | "
+        "vs on device | weights |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        speeds = r["images_per_second_all"]
+        spread = f" ({min(speeds):.0f}–{max(speeds):.0f})" if len(speeds) > 1 else ""
+        ratio = f"{r['vs_on_device']:.3f}" if "vs_on_device" in r else "–"
         lines.append(
             f"| {r['images']} | {r['mode']} | {r['workers']} | {r['main_mib']:.0f} | "
-            f"{r['worker_mib']:.0f} | {r['images_per_second']:.1f} | `{r['weights'][:12]}` |"
+            f"{r['worker_mib']:.0f} | {r['images_per_second']:.1f}{spread} | {ratio} | "
+            + ", ".join(f"`{w[:12]}`" for w in r["weights"])
+            + " |"
         )
     stem = result_stem("folder", today(), env)
     args.out.mkdir(parents=True, exist_ok=True)
