@@ -34,6 +34,7 @@ SMALL = [
     "trainer.trace_every=3",
     "trainer.checkpoint_every=5",  # step 5: mid-epoch, and not a multiple of anything else
     "loader=multi",
+    "logger=[csv,tensorboard]",  # rank 0's alone (test_only_rank_0_writes_into_one_run_directory)
 ]
 
 
@@ -92,6 +93,7 @@ def test_only_rank_0_writes_into_one_run_directory(runs, tmp_path):
         p.name for p in run.dir.parent.iterdir() if p.name.startswith("w")
     )
     assert not list(run.dir.rglob("*rank*"))
+    assert len(list((run.dir / "tensorboard").glob("events.out.tfevents.*"))) == 1
 
 
 @pytest.mark.e2e

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib
+import importlib.util
 import inspect
 import json
 import math
@@ -166,6 +167,8 @@ class TrainConfig:
     task: Any = MISSING
     optim: Any = MISSING  # a _partial_ optimizer (torch.optim.SGD ...), called with the params
     schedule: Any = MISSING  # a _partial_ schedule, called with the optimizer
+    # name -> {_target_: a repro.loggers.Logger}: where the metrics go (conf/logger/)
+    logger: Any = field(default_factory=dict)
 
 
 def register_configs() -> None:
@@ -228,6 +231,7 @@ def validate(cfg: DictConfig) -> None:
     validate_process_settings(cfg)
     for group in TARGET_GROUPS:
         _validate_target(cfg, group)
+    _validate_loggers(cfg.get("logger"))
     _validate_optim(cfg.optim)
     if cfg.schedule.get("warmup_steps", 0) < 0:
         _fail("schedule.warmup_steps", cfg.schedule.warmup_steps, "an integer >= 0")
@@ -379,6 +383,35 @@ def _validate_target(cfg: DictConfig, group: str) -> None:
     _check_arguments(group, node, target)
 
 
+def _validate_loggers(node: Any) -> None:
+    """Every ``logger`` entry names an importable logger whose arguments fit, and the package
+    it needs is installed (else: the ``pip install``), before anything is written."""
+    if node is None:
+        return
+    if not isinstance(node, DictConfig):
+        _fail("logger", node, "a choice of conf/logger/ (logger=csv, logger=[csv,tensorboard])")
+    for name, entry in node.items():
+        if not isinstance(entry, DictConfig) or "_target_" not in entry:
+            raise ConfigError(
+                f"config error: logger.{name} has no _target_; choose loggers from conf/logger/ "
+                "(logger=[csv,tensorboard]), or give logger.{name}._target_=module.YourLogger."
+            )
+        try:
+            target = locate(entry._target_)
+        except Exception as err:
+            raise ConfigError(
+                f"config error: logger.{name}._target_={entry._target_!r} cannot be imported "
+                f"({type(err).__name__}); check the dotted path."
+            ) from None
+        _check_arguments(f"logger.{name}", entry, target)
+        module, extra = getattr(target, "requires", None) or (None, None)
+        if module is not None and importlib.util.find_spec(module) is None:
+            raise ConfigError(
+                f"config error: logger={name} needs the {module} package, which is not "
+                f"installed: pip install -e '.[{extra}]' (or leave {name} out of logger=)."
+            )
+
+
 def _validate_optim(o: DictConfig) -> None:
     clip = o.get("clip_grad_norm")
     if clip is not None and (
@@ -426,7 +459,8 @@ def _check_arguments(group: str, node: DictConfig, target: Any) -> None:
         if key.startswith("_") or key in LOOP_KEYS.get(group, ()):
             continue
         if key not in params and not takes_kwargs:
-            allowed = ", ".join(k for k in params if k not in TARGET_GROUPS[group]) or "none"
+            passed = TARGET_GROUPS.get(group, set())
+            allowed = ", ".join(k for k in params if k not in passed and k != "self") or "none"
             raise ConfigError(
                 f"config error: {group}.{key} is not an argument of {node._target_}; allowed: "
                 f"{allowed}; to replace a preset's target without its keys, start from none: "
@@ -529,10 +563,13 @@ def check_overrides(args: list[str], conf_dir: Path) -> None:
         if "." not in key and group_dir.is_dir() and not extra_search_path:
             options = sorted(p.stem for p in group_dir.glob("*.yaml"))
             for v in values:
-                if str(v) not in options:
-                    raise ConfigError(
-                        f"config error: {key}={v} is not an option; allowed: {', '.join(options)}."
-                    )
+                chosen = v if isinstance(v, list) else [v]  # logger=[csv,tensorboard]
+                for one in chosen:
+                    if str(one) not in options:
+                        raise ConfigError(
+                            f"config error: {key}={one} is not an option; allowed: "
+                            f"{', '.join(options)}."
+                        )
             continue
         tp = _field_type(key)
         if tp is None:

@@ -14,6 +14,7 @@ ERROR_FILE = "error.json"  # train.py, for a failed job of a sweep
 CHECKPOINT_DIR = "checkpoints"  # repro.checkpoint
 TEST_FILE = "test.json"  # repro.loop: trainer.test's result
 BEST_FILE = "best.pt"  # repro.checkpoint: the checkpoint of the best evaluation so far
+LOGGERS_FILE = "loggers.json"  # repro.loggers: the ids that let a resume continue an MLflow/W&B run
 LOCK_FILE = ".lock"  # repro.rundir: the run's owner, for its lifetime
 LAUNCH_DIR = ".hydra"  # train.py: the config, Hydra's config and the overrides of the launch
 LOG_FILE = "train.log"  # Hydra's job log (opened at its first line)

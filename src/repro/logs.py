@@ -1,6 +1,7 @@
-"""What a run logs as it goes: ``metrics.csv`` (a row per step), ``eval.csv`` (a row per
-evaluation), ``trace.jsonl`` (:mod:`repro.trace`) and the console (progress bar, a line per
-evaluation). Only rank 0 logs; the other ranks hold a :class:`NullLog`.
+"""What a run logs as it goes: ``trace.jsonl`` (:mod:`repro.trace`), the console (progress
+bar, a line per evaluation), and the rows it hands the chosen loggers (:mod:`repro.loggers`:
+``metrics.csv`` and ``eval.csv`` by default). Only rank 0 logs; the other ranks hold a
+:class:`NullLog`.
 
 Losses and gradient norms stay on the device until a flush (every ``trainer.log_every``
 steps, at evaluations and before checkpoints), so logging adds no host synchronisation to a
@@ -9,8 +10,6 @@ step. Floats are written with ``repr``, which round-trips them exactly.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import logging
 import math
@@ -21,48 +20,14 @@ from typing import Any
 import torch
 
 from repro.checkpoint import atomic_write
-from repro.files import EVAL_FILE, METRICS_FILE, TRACE_FILE
+from repro.files import TRACE_FILE
+from repro.loggers import Loggers
 from repro.progress import Progress
 from repro.trace import TraceWriter
 
 log = logging.getLogger("repro")
 # The console line shows a task's first metrics; eval.csv and trace.jsonl hold them all.
 CONSOLE_METRICS = 4
-METRICS_FIELDS = ["step", "epoch", "loss", "grad_norm", "lr"]
-
-
-class CsvLog:
-    """Append rows to a CSV in the run directory; floats as ``repr`` (round-trip exact).
-
-    ``resume_at=s`` keeps the rows of steps <= s already there (a resumed run) and appends."""
-
-    def __init__(self, path: Path, fields: list[str], resume_at: int | None = None) -> None:
-        if resume_at is not None and path.is_file():
-            with open(path, newline="") as f:
-                rows = list(csv.reader(f))[1:]
-            kept, last = [], 0
-            for r in rows:  # the clean prefix: complete rows, steps rising, up to resume_at
-                if len(r) != len(fields) or not r[0].isdigit() or not last < int(r[0]) <= resume_at:
-                    break
-                kept.append(r)
-                last = int(r[0])
-            buf = io.StringIO()
-            csv.writer(buf).writerows([fields, *kept])
-            atomic_write(path, lambda f: f.write(buf.getvalue().encode()))
-            self.file = open(path, "a", newline="")
-            self.writer = csv.writer(self.file)
-        else:
-            self.file = open(path, "w", newline="")
-            self.writer = csv.writer(self.file)
-            self.writer.writerow(fields)
-        self.file.flush()
-
-    def write(self, rows: list[list[Any]]) -> None:
-        self.writer.writerows([[repr(v) if isinstance(v, float) else v for v in r] for r in rows])
-        self.file.flush()
-
-    def close(self) -> None:
-        self.file.close()
 
 
 def keep_trace_prefix(path: Path, step: int) -> int:
@@ -97,19 +62,20 @@ class TrainingLog:
         max_steps: int,
         steps_per_epoch: int,
         log_every: int,
-        metric_names: list[str],
+        loggers: Loggers,
         progress: bool,
         trace: bool,
         start: int = 0,
         resumed: dict[str, Any] | None = None,
         initial: dict[str, Any] | None = None,
     ) -> None:
-        """``resumed``: the checkpoint's ``last`` values (a resumed run, from step ``start``);
-        ``initial``: the step-0 trace record of a new run (initial weights' digests)."""
+        """``loggers``: started (:meth:`repro.loggers.Loggers.open`); they are closed by
+        their owner, after the summary. ``resumed``: the checkpoint's ``last`` values (a
+        resumed run, from step ``start``); ``initial``: the step-0 trace record of a new run
+        (initial weights' digests)."""
         at = start if resumed is not None else None
         self.max_steps, self.steps_per_epoch, self.log_every = max_steps, steps_per_epoch, log_every
-        self.metrics = CsvLog(run_dir / METRICS_FILE, METRICS_FIELDS, at)
-        self.evals = CsvLog(run_dir / EVAL_FILE, ["step", *metric_names], at)
+        self.loggers = loggers
         self.trace = self._open_trace(run_dir / TRACE_FILE, trace, at, initial)
         self.progress = Progress(max_steps, enabled=progress, start=start)
         last = dict(resumed or {})
@@ -151,14 +117,14 @@ class TrainingLog:
         evaluation: dict[str, float] | None = None,
     ) -> None:
         """Queue step ``done``'s values; write them every ``log_every`` steps, and at once
-        with the step's ``evaluation`` metrics (into its trace record, ``eval.csv`` and a
+        with the step's ``evaluation`` metrics (into its trace record, the loggers and a
         console line)."""
         self.pending.append((done, loss, grad_norm, lr, record))
         if evaluation is not None:
             record["eval"] = evaluation
             self.last_metrics = dict(evaluation)
             self.flush()
-            self.evals.write([[done, *evaluation.values()]])
+            self.loggers.log_eval(done, evaluation)
             self.progress.close()
             shown = "  ".join(f"{k} {v:.4f}" for k, v in list(evaluation.items())[:CONSOLE_METRICS])
             log.info(f"step {done}/{self.max_steps}  loss {self.last_loss:.4f}  {shown}")
@@ -167,7 +133,7 @@ class TrainingLog:
             self.progress.update(done, loss=f"{self.last_loss:.4f}")
 
     def flush(self, wait: bool = False) -> None:
-        """Write the pending steps' metrics rows, and their trace records up to the first one
+        """Hand the pending steps' rows to the loggers, and write their trace records up to the first one
         whose state digest the background thread is still hashing (all, with ``wait``)."""
         if self.pending:
             values = torch.stack(
@@ -177,7 +143,8 @@ class TrainingLog:
                 [s, (s - 1) // self.steps_per_epoch, v[0], v[1], lr]
                 for (s, _, _, lr, _), v in zip(self.pending, values, strict=True)
             ]
-            self.metrics.write(rows)
+            fields = ("step", "epoch", "loss", "grad_norm", "lr")
+            self.loggers.log_steps([dict(zip(fields, r, strict=True)) for r in rows])
             if self.trace:
                 self.held.extend(
                     {"step": s, "epoch": e, "loss": loss, "grad_norm": norm, "lr": lr, **record}
@@ -203,9 +170,9 @@ class TrainingLog:
             del self.held[:ready]
 
     def close(self) -> None:
+        """The trace closed and the loggers flushed (their owner closes them)."""
         self.progress.close()
-        self.metrics.close()
-        self.evals.close()
+        self.loggers.flush()
         if self.trace:
             self.trace.close()
 

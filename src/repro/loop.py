@@ -10,7 +10,8 @@ Each concern has its own module; this one only puts them in order:
 ``repro.step``         one step: K micro-batches summed in a fixed order
 ``repro.evaluation``   the task's metrics on the validation split
 ``repro.inference``    trainer.test: the best checkpoint on the test split
-``repro.logs``         ``metrics.csv``, ``eval.csv``, ``trace.jsonl``, the console
+``repro.logs``         ``trace.jsonl``, the console, the rows for the loggers
+``repro.loggers``      the ``logger`` group: ``metrics.csv``/``eval.csv``, TensorBoard...
 ``repro.trace``        what the trace digests (inputs, weights)
 ``repro.checkpoint``   atomic, checksummed checkpoints and best.pt; restoring one
 ``repro.preemption``   SIGTERM/SIGUSR1: stop after the step (the loop checkpoints first)
@@ -26,7 +27,7 @@ import shutil
 import time
 from collections.abc import Callable
 from contextlib import closing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,7 @@ from repro.evaluation import check_task, evaluate
 from repro.files import BEST_FILE, ENV_FILE, SUMMARY_FILE, TEST_FILE
 from repro.fingerprint import environment, run_fingerprint
 from repro.inference import choose_checkpoint, evaluate_checkpoint
+from repro.loggers import Loggers, RunInfo
 from repro.logs import NullLog, TrainingLog
 from repro.preemption import Preemption
 from repro.progress import Throughput
@@ -100,6 +102,7 @@ def train(
             raise
         raise explained from err
     finally:
+        run.loggers.close()  # also after a crash: a run stopped early is marked so
         lock.release()
 
 
@@ -213,6 +216,7 @@ class Run:
     device: torch.device
     identity: RunIdentity
     started: float  # time.perf_counter() at the start
+    loggers: Loggers = field(default_factory=Loggers)  # rank 0's, opened with the logs
 
     @classmethod
     def start(cls, cfg: DictConfig, run_dir: Path) -> Run:
@@ -360,10 +364,26 @@ def open_logs(
     metric_names: list[str],
     resume: ResumePoint | None,
 ) -> TrainingLog:
-    """Rank 0's logs (continued at the checkpoint's step when resuming); the others' null."""
+    """Rank 0's logs and loggers (continued at the checkpoint's step when resuming); the
+    others' null."""
     if not run.world.main:
         return NullLog()
     t, task = run.cfg.trainer, training.task
+    start = resume.step if resume else 0
+    metadata = [
+        "determinism.json",
+        "determinism.txt",
+        f"env-resume-{start}.json" if start else ENV_FILE,
+    ]
+    info = RunInfo(
+        run.dir,
+        run.identity.config,
+        [run.dir / m for m in metadata],
+        metric_names,
+        start,
+        resume is not None,
+    )
+    run.loggers.open(run.cfg.get("logger"), info)
     initial = None
     if bool(t.trace) and resume is None:  # step 0: the initial weights, and the task
         tensors, whole = state_digests(training.model.state_dict())
@@ -374,10 +394,10 @@ def open_logs(
         max_steps=int(t.max_steps),
         steps_per_epoch=steps_per_epoch,
         log_every=int(t.log_every),
-        metric_names=metric_names,
+        loggers=run.loggers,
         progress=bool(t.progress),
         trace=bool(t.trace),
-        start=resume.step if resume else 0,
+        start=start,
         resumed=resume.last if resume else None,
         initial=initial,
     )
@@ -428,6 +448,7 @@ def finish(
         "environment": run.identity.environment,
     }
     write_json(run.dir / SUMMARY_FILE, summary)
+    run.loggers.finish(summary)
     value = logs.last_metrics.get(headline, float("nan"))
     log.info(
         f"done: {max_steps} steps, final loss {logs.last_loss:.4f}, "

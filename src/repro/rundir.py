@@ -44,6 +44,7 @@ from repro.files import (
     LAUNCH_DIR,
     LOCK_FILE,
     LOG_FILE,
+    LOGGERS_FILE,
     METRICS_FILE,
     SUMMARY_FILE,
     TEST_FILE,
@@ -168,6 +169,7 @@ RUN_FILES = {
     LOCK_FILE,
     LAUNCH_DIR,
     LOG_FILE,
+    LOGGERS_FILE,
     "determinism.json",
     "determinism.txt",
     ENV_FILE,
@@ -179,6 +181,9 @@ RUN_FILES = {
     CHECKPOINT_DIR,
     BEST_FILE,
     TEST_FILE,
+    LOGGERS_FILE,
+    "tensorboard",  # the loggers' own (conf/logger/)
+    "wandb",
     "rerun",
 }
 

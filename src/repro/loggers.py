@@ -1,0 +1,441 @@
+"""Where a run's metrics go: the ``logger`` config group (``conf/logger/``).
+
+``logger=csv`` (the default) writes ``metrics.csv`` and ``eval.csv`` into the run directory;
+``tensorboard``, ``mlflow`` and ``wandb`` send the same values to those tools, and
+``logger=[csv,tensorboard]`` chooses several. Each chosen logger is built from its
+``_target_`` on rank 0 only, and receives, in this order:
+
+- ``start``: the run's metadata (the resolved config, the determinism report, the
+  environment fingerprint ``env.json``), and where a resumed run starts;
+- ``log_steps``: every step's loss, gradient norm and learning rate, as the loop flushes
+  them (every ``trainer.log_every`` steps, at evaluations and before checkpoints);
+- ``log_eval``: every evaluation's metrics;
+- ``finish``: the run's summary (``summary.json``: the weights' digest, the test metrics);
+- ``close``: always, also when the run stops early (preempted, diverged, crashed).
+
+A logger reads values the loop has already computed and never touches the training, so the
+bits are those of a run without it (``tests/test_loggers.py``). The exact record stays
+``trace.jsonl``; TensorBoard keeps scalars as float32.
+
+Your own logger: a class with :class:`Logger`'s methods (each may be left as it is here:
+nothing) in your module, and ``conf/logger/<name>.yaml`` holding
+``<name>: {_target_: your.module.YourLogger, ...}``. A package it needs is named in
+``requires``: a run without it stops before anything is written, with the ``pip install``.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from repro.checkpoint import atomic_write
+from repro.files import EVAL_FILE, LOGGERS_FILE, METRICS_FILE, finite_or_null
+
+log = logging.getLogger("repro")
+METRICS_FIELDS = ["step", "epoch", "loss", "grad_norm", "lr"]
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What a logger is told at the start of a run."""
+
+    run_dir: Path
+    config: dict[str, Any]  # the resolved config
+    metadata: list[Path]  # determinism.json, determinism.txt, env.json (env-resume-N.json)
+    metric_names: list[str]  # the evaluation's, in order (eval.csv's columns)
+    start: int  # the step the run starts after: 0, or the checkpoint's when resumed
+    resumed: bool
+
+
+class Logger:
+    """A logger's interface. Rows are ``{"step", "epoch", "loss", "grad_norm", "lr"}``;
+    values are Python floats, possibly not finite (``trainer.on_nonfinite=continue``)."""
+
+    # (module, extra): the module must be importable, else the run stops before it starts
+    # with ``pip install -e '.[extra]'``
+    requires: ClassVar[tuple[str, str] | None] = None
+
+    def start(self, info: RunInfo) -> None:
+        pass
+
+    def log_steps(self, rows: list[dict[str, Any]]) -> None:
+        pass
+
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def flush(self) -> None:
+        """On disk (or sent) now: before a preempted run hands its signal over."""
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Loggers:
+    """The run's chosen loggers, each called in turn; empty on ranks other than 0 and
+    before :meth:`open`."""
+
+    def __init__(self) -> None:
+        self.chosen: list[tuple[str, Logger]] = []
+
+    def open(self, node: Any, info: RunInfo) -> None:
+        """Build every entry of ``cfg.logger`` (a mapping ``name -> {_target_: ...}``) and
+        start it."""
+        from hydra.utils import instantiate
+
+        for name, entry in (node or {}).items():
+            logger = instantiate(entry, _convert_="all")
+            logger.start(info)
+            self.chosen.append((str(name), logger))
+
+    def log_steps(self, rows: list[dict[str, Any]]) -> None:
+        for _, logger in self.chosen:
+            logger.log_steps(rows)
+
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        for _, logger in self.chosen:
+            logger.log_eval(step, metrics)
+
+    def flush(self) -> None:
+        for _, logger in self.chosen:
+            logger.flush()
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        for _, logger in self.chosen:
+            logger.finish(summary)
+
+    def close(self) -> None:
+        """Close every logger; one that fails to close is warned about, so that it neither
+        hides the run's own error nor keeps the others open."""
+        chosen, self.chosen = self.chosen, []
+        for name, logger in chosen:
+            try:
+                logger.close()
+            except Exception as err:  # noqa: BLE001 - reported, and the others still close
+                log.warning(f"logger {name}: closing failed ({type(err).__name__}: {err})")
+
+
+def remembered(run_dir: Path, name: str) -> dict[str, Any] | None:
+    """What logger ``name`` wrote into the run directory's ``loggers.json`` (the ids that
+    let a resumed run continue the same MLflow or W&B run)."""
+    try:
+        return json.loads((run_dir / LOGGERS_FILE).read_text()).get(name)
+    except (OSError, ValueError):
+        return None
+
+
+def remember(run_dir: Path, name: str, value: dict[str, Any]) -> None:
+    path = run_dir / LOGGERS_FILE
+    try:
+        held = json.loads(path.read_text())
+    except (OSError, ValueError):
+        held = {}
+    text = json.dumps({**held, name: value}, indent=2) + "\n"
+    atomic_write(path, lambda f: f.write(text.encode()))
+
+
+class CsvLog:
+    """Append rows to a CSV in the run directory; floats as ``repr`` (round-trip exact).
+
+    ``resume_at=s`` keeps the rows of steps <= s already there (a resumed run) and appends."""
+
+    def __init__(self, path: Path, fields: list[str], resume_at: int | None = None) -> None:
+        if resume_at is not None and path.is_file():
+            with open(path, newline="") as f:
+                rows = list(csv.reader(f))[1:]
+            kept, last = [], 0
+            for r in rows:  # the clean prefix: complete rows, steps rising, up to resume_at
+                if len(r) != len(fields) or not r[0].isdigit() or not last < int(r[0]) <= resume_at:
+                    break
+                kept.append(r)
+                last = int(r[0])
+            buf = io.StringIO()
+            csv.writer(buf).writerows([fields, *kept])
+            atomic_write(path, lambda f: f.write(buf.getvalue().encode()))
+            self.file = open(path, "a", newline="")
+            self.writer = csv.writer(self.file)
+        else:
+            self.file = open(path, "w", newline="")
+            self.writer = csv.writer(self.file)
+            self.writer.writerow(fields)
+        self.file.flush()
+
+    def write(self, rows: list[list[Any]]) -> None:
+        self.writer.writerows([[repr(v) if isinstance(v, float) else v for v in r] for r in rows])
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class CsvLogger(Logger):
+    """``metrics.csv`` (a row per step) and ``eval.csv`` (a row per evaluation) in the run
+    directory, floats written with ``repr`` (exact). ``repro report`` draws its curves
+    from them; a resumed run keeps their rows up to its checkpoint and appends."""
+
+    def start(self, info: RunInfo) -> None:
+        at = info.start if info.resumed else None
+        self.metrics = CsvLog(info.run_dir / METRICS_FILE, METRICS_FIELDS, at)
+        self.evals = CsvLog(info.run_dir / EVAL_FILE, ["step", *info.metric_names], at)
+
+    def log_steps(self, rows: list[dict[str, Any]]) -> None:
+        self.metrics.write([[r[k] for k in METRICS_FIELDS] for r in rows])
+
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        self.evals.write([[step, *metrics.values()]])
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.evals.close()
+
+
+def _final_metrics(summary: dict[str, Any]) -> tuple[int, dict[str, float]]:
+    """The test metrics of ``trainer.test`` (step: the tested checkpoint's), if any."""
+    test = summary.get("test") or {}
+    return int(test.get("step") or summary["steps"]), dict(test.get("metrics") or {})
+
+
+class TensorBoardLogger(Logger):
+    """Event files under ``<run dir>/<subdir>`` (``tensorboard --logdir outputs``): a
+    scalar per value (the CSV's names), and the metadata files and summary as text. A
+    resumed run discards what the killed process wrote past its checkpoint (``purge_step``)
+    and writes those steps again, with the same values."""
+
+    requires = ("tensorboard", "tensorboard")
+
+    def __init__(self, subdir: str = "tensorboard", flush_secs: int = 30) -> None:
+        self.subdir, self.flush_secs = subdir, flush_secs
+
+    def start(self, info: RunInfo) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        purge = info.start + 1 if info.resumed else None
+        self.writer = SummaryWriter(
+            str(info.run_dir / self.subdir), purge_step=purge, flush_secs=self.flush_secs
+        )
+        step = info.start
+        if not info.resumed:
+            self.writer.add_text("config", _code(json.dumps(info.config, indent=2)), step)
+        for path in info.metadata:
+            self.writer.add_text(path.name, _code(path.read_text()), step)
+
+    def log_steps(self, rows: list[dict[str, Any]]) -> None:
+        for r in rows:
+            for key in ("loss", "grad_norm", "lr"):
+                self.writer.add_scalar(key, r[key], r["step"])
+
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        step, test = _final_metrics(summary)
+        for key, value in test.items():
+            self.writer.add_scalar(key, value, step)
+        text = json.dumps(finite_or_null(summary), indent=2, default=str)
+        self.writer.add_text("summary.json", _code(text), int(summary["steps"]))
+
+    def close(self) -> None:
+        if hasattr(self, "writer"):
+            self.writer.close()
+
+
+def _code(text: str) -> str:
+    """Text as a markdown code block (TensorBoard's text tab renders markdown)."""
+    return "\n".join("    " + line for line in text.splitlines())
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            out.update(_flat(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+class MlflowLogger(Logger):
+    """One MLflow run per run directory, in ``tracking_uri`` (default: a SQLite store
+    beside the runs, ``mlflow ui --backend-store-uri sqlite:///outputs/mlflow.db``; or a
+    tracking server's URL). Params: the flattened config; artifacts: the config, the
+    metadata files and ``summary.json``; tags: the run directory, the weights' digest. A
+    resumed run continues the same MLflow run (its id is in ``loggers.json``); the steps
+    the killed process logged past its checkpoint are logged again with the same values."""
+
+    requires = ("mlflow", "mlflow")
+
+    def __init__(
+        self,
+        tracking_uri: str,
+        experiment: str = "repro",
+        run_name: str | None = None,
+        artifact_location: str | None = None,
+    ) -> None:
+        self.uri = _absolute_sqlite(tracking_uri)
+        self.experiment, self.run_name = experiment, run_name
+        self.artifact_location = artifact_location
+        self.run_id: str | None = None
+        self.finished = False
+
+    def start(self, info: RunInfo) -> None:
+        from mlflow.tracking import MlflowClient
+
+        for noisy in ("mlflow", "alembic"):  # "Creating initial MLflow database tables..."
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+        self.client = MlflowClient(tracking_uri=self.uri)
+        held = remembered(info.run_dir, "mlflow") if info.resumed else None
+        if held and held.get("tracking_uri") == self.uri:
+            self.run_id = held["run_id"]
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            experiment = self.client.get_experiment_by_name(self.experiment)
+            if experiment is not None:
+                experiment_id = experiment.experiment_id
+            else:
+                location = self.artifact_location or _beside_store(self.uri)
+                experiment_id = self.client.create_experiment(self.experiment, location)
+            run = self.client.create_run(
+                experiment_id,
+                run_name=self.run_name or info.run_dir.name,
+                tags={"repro.run_dir": str(info.run_dir.resolve())},
+            )
+            self.run_id = run.info.run_id
+            remember(info.run_dir, "mlflow", {"tracking_uri": self.uri, "run_id": self.run_id})
+            self._log_params(info.config)
+            self.client.log_dict(self.run_id, info.config, "config.json")
+        for path in info.metadata:
+            self.client.log_artifact(self.run_id, str(path))
+
+    def _log_params(self, config: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        params = [Param(k, str(v)[:6000]) for k, v in _flat(config).items()]
+        for i in range(0, len(params), 100):  # MLflow's limit per batch
+            self.client.log_batch(self.run_id, params=params[i : i + 100])
+
+    def _log(self, records: list[tuple[int, dict[str, float]]]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, float(v), now, s) for s, values in records for k, v in values.items()]
+        for i in range(0, len(metrics), 1000):  # MLflow's limit per batch
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
+
+    def log_steps(self, rows: list[dict[str, Any]]) -> None:
+        self._log([(r["step"], {k: r[k] for k in ("loss", "grad_norm", "lr")}) for r in rows])
+
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        self._log([(step, metrics)])
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        step, test = _final_metrics(summary)
+        if test:
+            self._log([(step, test)])
+        self.client.set_tag(self.run_id, "weights_sha256", summary["weights_sha256"])
+        self.client.log_dict(self.run_id, finite_or_null(summary), "summary.json")
+        self.client.set_terminated(self.run_id, "FINISHED")
+        self.finished = True
+
+    def close(self) -> None:
+        if self.run_id is not None and not self.finished:  # stopped early: resumable
+            self.client.set_terminated(self.run_id, "KILLED")
+
+
+def _absolute_sqlite(uri: str) -> str:
+    """``sqlite:///relative/path.db`` made absolute (from the directory train.py started
+    in), with its folder created: the store is the same wherever a process runs."""
+    prefix = "sqlite:///"
+    if not uri.startswith(prefix) or uri.startswith(prefix + "/"):
+        return uri
+    path = Path(uri[len(prefix) :]).resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return prefix + str(path)
+
+
+def _beside_store(uri: str) -> str | None:
+    """Artifacts of a SQLite store in ``mlflow-artifacts/`` beside its file (MLflow's own
+    default is ``./mlruns`` of whatever directory the process runs in)."""
+    if uri.startswith("sqlite:///"):
+        return str(Path(uri[len("sqlite:///") :]).parent / "mlflow-artifacts")
+    return None
+
+
+class WandbLogger(Logger):
+    """A Weights & Biases run, offline by default (``wandb sync <run dir>/wandb/offline-*``
+    uploads it later; ``mode=online`` logs in directly). Config: the resolved config, and
+    the determinism report and ``env.json`` under ``repro_metadata``; summary:
+    ``summary.json``'s values. A resumed run continues the
+    same W&B run (its id is in ``loggers.json``); W&B drops the steps logged again after a
+    resume (it warns), whose values are the same."""
+
+    requires = ("wandb", "wandb")
+
+    def __init__(
+        self,
+        project: str = "repro",
+        mode: str = "offline",
+        entity: str | None = None,
+        name: str | None = None,
+        tags: list[str] | None = None,
+    ) -> None:
+        self.project, self.mode, self.entity, self.name, self.tags = (
+            project,
+            mode,
+            entity,
+            name,
+            tags,
+        )
+        self.run: Any = None
+
+    def start(self, info: RunInfo) -> None:
+        import wandb
+
+        held = remembered(info.run_dir, "wandb") if info.resumed else None
+        run_id = held["id"] if held else uuid.uuid4().hex[:12]  # os.urandom: no RNG touched
+        remember(info.run_dir, "wandb", {"id": run_id})
+        self.run = wandb.init(
+            project=self.project,
+            entity=self.entity,
+            name=self.name or info.run_dir.name,
+            tags=self.tags,
+            id=run_id,
+            resume="allow",
+            mode=self.mode,
+            dir=str(info.run_dir),
+            config=info.config,
+            settings=wandb.Settings(console="off", quiet=True),
+        )
+        metadata = {p.name: json.loads(p.read_text()) for p in info.metadata if p.suffix == ".json"}
+        self.run.config.update({"repro_metadata": metadata}, allow_val_change=True)
+
+    def log_steps(self, rows: list[dict[str, Any]]) -> None:
+        for r in rows:
+            self.run.log({k: r[k] for k in ("loss", "grad_norm", "lr")}, step=r["step"])
+
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log(dict(metrics), step=step)
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        _, test = _final_metrics(summary)
+        values = {k: v for k, v in finite_or_null(summary).items() if not isinstance(v, dict)}
+        self.run.summary.update({**values, **test})
+        self.run.finish()
+        self.run = None
+
+    def close(self) -> None:
+        if self.run is not None:  # stopped early
+            self.run.finish(exit_code=1)
+            self.run = None

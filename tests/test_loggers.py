@@ -1,0 +1,172 @@
+"""The logger group (conf/logger/): TensorBoard, MLflow and W&B receive the CSVs' values and
+the run's metadata, continue across a resume, and leave the bits as they are."""
+
+import csv
+import importlib.util
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from conftest import CONF_DIR, SMALL_DATA, train_here
+from repro.config import check_overrides, compose
+from repro.errors import ConfigError
+
+LOGGED = [
+    "trainer.max_steps=8",
+    "trainer.eval_every=4",
+    "trainer.checkpoint_every=3",
+    "trainer.log_every=2",
+    "optim.clip_grad_norm=1.0",
+    *SMALL_DATA,
+    "model.width=8",
+]
+# wandb is not among the dev extras (tensorboard and mlflow are): its part runs where it is
+# installed (pip install -e '.[wandb]')
+HAS_WANDB = importlib.util.find_spec("wandb") is not None
+CHOSEN = ["csv", "tensorboard", "mlflow", *(["wandb"] if HAS_WANDB else [])]
+KILLED_AT = 5  # after the checkpoint of step 3 and the evaluation (and flush) of step 4
+
+
+class Killed(Exception):
+    pass
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory):
+    """The same config trained with the csv logger only, and with every logger, killed after
+    step 5 and resumed from its step-3 checkpoint (the loggers had steps 1-4 by then)."""
+    base = tmp_path_factory.mktemp("loggers")
+    plain = train_here(base / "plain", *LOGGED)
+    store = base / "mlflow.db"
+    overrides = [
+        *LOGGED,
+        f"logger=[{','.join(CHOSEN)}]",
+        f"logger.mlflow.tracking_uri=sqlite:///{store}",
+    ]
+
+    def kill(step, model):
+        if step == KILLED_AT:
+            raise Killed
+
+    with pytest.raises(Killed):
+        train_here(base / "run", *overrides, after_step=kill)
+    first_ids = json.loads((base / "run" / "loggers.json").read_text())
+    run = train_here(base / "run", *overrides, "trainer.resume=auto")
+    return plain, run, first_ids, store
+
+
+def csv_column(path, column):
+    with open(path) as f:
+        return {int(r["step"]): float(r[column]) for r in csv.DictReader(f)}
+
+
+def test_the_loggers_leave_the_bits_as_they_are(logged):
+    plain, run, _, _ = logged
+    assert run.summary["resumes"] and not plain.summary["resumes"]
+    assert run.summary["weights_sha256"] == plain.summary["weights_sha256"]
+    for name in ("metrics.csv", "eval.csv"):  # the csv logger: as without the others
+        assert (run.dir / name).read_text() == (plain.dir / name).read_text()
+
+
+def test_tensorboard_holds_every_step_once_after_the_resume(logged):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, run, _, _ = logged
+    events = EventAccumulator(str(run.dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    loss = csv_column(run.dir / "metrics.csv", "loss")
+    # the killed process's steps 4 and 5 past its checkpoint were purged and written again
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [
+        (s, float(np.float32(v))) for s, v in sorted(loss.items())
+    ]
+    accuracy = csv_column(run.dir / "eval.csv", "val_accuracy")
+    assert [(e.step, e.value) for e in events.Scalars("val_accuracy")] == [
+        (s, float(np.float32(v))) for s, v in sorted(accuracy.items())
+    ]
+    texts = set(events.Tags()["tensors"])
+    for name in ("config", "determinism.json", "env.json", "env-resume-3.json", "summary.json"):
+        assert f"{name}/text_summary" in texts
+
+
+def test_mlflow_continues_one_run_with_the_exact_values(logged):
+    from mlflow.tracking import MlflowClient
+
+    _, run, first_ids, store = logged
+    ids = json.loads((run.dir / "loggers.json").read_text())
+    assert ids["mlflow"] == first_ids["mlflow"]  # the resume continued the same MLflow run
+    client = MlflowClient(f"sqlite:///{store}")
+    run_id = ids["mlflow"]["run_id"]
+    (experiment,) = [e for e in client.search_experiments() if e.name == "repro"]
+    assert [r.info.run_id for r in client.search_runs([experiment.experiment_id])] == [run_id]
+    logged_run = client.get_run(run_id)
+    assert logged_run.info.status == "FINISHED"
+    assert logged_run.data.tags["weights_sha256"] == run.summary["weights_sha256"]
+    assert logged_run.data.params["seed"] == "0"
+    assert logged_run.data.params["optim.clip_grad_norm"] == "1.0"
+    for column in ("loss", "grad_norm", "lr"):
+        expected = csv_column(run.dir / "metrics.csv", column)
+        history = [(m.step, m.value) for m in client.get_metric_history(run_id, column)]
+        # steps 4 and 5 came twice (before the kill, after the resume): with the same value
+        assert {s for s, _ in history} == set(expected)
+        assert all(v == expected[s] for s, v in history), column  # float64: exact
+    artifacts = {a.path for a in client.list_artifacts(run_id)}
+    assert {"config.json", "determinism.json", "env.json", "env-resume-3.json"} <= artifacts
+    assert "summary.json" in artifacts
+
+
+def wandb_history(run_dir):
+    """Every history row of the run's offline W&B files, read back with W&B's record format
+    (32 KiB blocks of chunks: CRC32, length, type; protobuf records)."""
+    from wandb.proto import wandb_internal_pb2
+
+    rows = []
+    for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
+        raw, pos, part = path.read_bytes(), 7, b""  # after the 7-byte file header
+        while pos + 7 <= len(raw):
+            left = 32768 - pos % 32768
+            _, length, kind = struct.unpack("<IHB", raw[pos : pos + 7])
+            if left < 7 or (length == 0 and kind == 0):  # the block's padding
+                pos += left
+                continue
+            part += raw[pos + 7 : pos + 7 + length]
+            pos += 7 + length
+            if kind in (1, 4):  # a whole record, or a record's last chunk
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(part)
+                part = b""
+                if record.WhichOneof("record_type") == "history":
+                    items = record.history.item
+                    rows.append(
+                        {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items}
+                    )
+    return rows
+
+
+@pytest.mark.skipif(not HAS_WANDB, reason="needs wandb (pip install -e '.[wandb]')")
+def test_wandb_offline_holds_the_exact_values(logged):
+    _, run, first_ids, _ = logged
+    assert json.loads((run.dir / "loggers.json").read_text())["wandb"] == first_ids["wandb"]
+    loss = csv_column(run.dir / "metrics.csv", "loss")
+    rows = [r for r in wandb_history(run.dir) if "loss" in r]
+    assert {r["_step"] for r in rows} == set(loss)
+    assert all(r["loss"] == loss[r["_step"]] for r in rows)
+
+
+def test_a_logger_without_its_package_is_one_line_with_the_pip_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a)
+    )
+    with pytest.raises(ConfigError) as err:
+        compose(["logger=[csv,mlflow]"])
+    assert "logger=mlflow needs the mlflow package" in str(err.value)
+    assert "pip install -e '.[mlflow]'" in str(err.value)
+
+
+def test_a_loggers_unknown_key_is_named_before_the_run():
+    with pytest.raises(ConfigError, match="logger.tensorboard.flush_every is not an argument"):
+        compose(["logger=tensorboard", "+logger.tensorboard.flush_every=3"])
+    with pytest.raises(ConfigError, match="logger=tensorbord is not an option"):
+        check_overrides(["logger=[csv,tensorbord]"], CONF_DIR)
