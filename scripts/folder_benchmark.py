@@ -87,6 +87,7 @@ def run(overrides: list[str]) -> dict:
     return {
         **rss,
         "images_per_second": summary["steady_images_per_second"],
+        "loader_wait": summary["loader_wait_fraction"],
         "weights": summary["weights_sha256"],
         "environment": summary["environment"],
     }
@@ -135,7 +136,8 @@ def main() -> None:
                 print(
                     f"{n:6d} {mode:9} workers {workers} #{repeat}: main {r['main_mib']:7.0f} MiB, "
                     f"largest child {r['worker_mib']:6.0f} MiB, "
-                    f"{r['images_per_second']:7.1f} img/s  {r['weights'][:12]}",
+                    f"{r['images_per_second']:7.1f} img/s, waits {r['loader_wait']:.1%}  "
+                    f"{r['weights'][:12]}",
                     flush=True,
                 )
         for i, (mode, workers, _) in enumerate(cells):
@@ -150,6 +152,7 @@ def main() -> None:
                     "worker_mib": max(r["worker_mib"] for r in rs),
                     "images_per_second": statistics.median(speeds),
                     "images_per_second_all": [r["images_per_second"] for r in rs],
+                    "loader_wait": statistics.median(r["loader_wait"] for r in rs),
                     "weights": sorted({r["weights"] for r in rs}),
                     "environment": rs[0]["environment"],
                 }
@@ -173,11 +176,13 @@ def main() -> None:
         "and helpers, count the pages they share with the training process at the fork). "
         f"Memory is the largest over {args.repeats} repeat(s); img/s the median (min–max) "
         "of the repeats, every cell of a size in turn. *vs on device*: the median's ratio to the "
-        "split kept on the GPU (`loader=device`, `data.in_memory=true`).",
+        "split kept on the GPU (`loader=device`, `data.in_memory=true`). *Waits*: the median "
+        "part of the steady steps the loop spent waiting for the loader "
+        "(`summary.json` `loader_wait_fraction`).",
         "",
         "| images | mode | workers | training process MiB | largest child MiB | img/s | "
-        "vs on device | weights |",
-        "|---|---|---|---|---|---|---|---|",
+        "vs on device | waits | weights |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         speeds = r["images_per_second_all"]
@@ -186,8 +191,7 @@ def main() -> None:
         lines.append(
             f"| {r['images']} | {r['mode']} | {r['workers']} | {r['main_mib']:.0f} | "
             f"{r['worker_mib']:.0f} | {r['images_per_second']:.1f}{spread} | {ratio} | "
-            + ", ".join(f"`{w[:12]}`" for w in r["weights"])
-            + " |"
+            f"{r['loader_wait']:.1%} | " + ", ".join(f"`{w[:12]}`" for w in r["weights"]) + " |"
         )
     stem = result_stem("folder", today(), env)
     args.out.mkdir(parents=True, exist_ok=True)

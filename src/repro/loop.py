@@ -149,6 +149,7 @@ def _train(
         loading(loader) as batches,  # the workers start here
     ):
         clock = Throughput(start, max_steps, training.batch_size, run.device)
+        batches = clock.timed(batches)  # the time the loop waits for the loader
         stop, warned = t.on_nonfinite == "stop", False
         upcoming = next_step_batches(batches, count, normalize)
         for step in range(start, max_steps):

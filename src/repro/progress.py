@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -56,8 +58,25 @@ class Throughput:
         self.marks: dict[int, float] = {}
         self.t0 = time.perf_counter()
         self.seconds: float | None = None
+        self.waited = 0.0  # seconds the loop waited for the loader, between the marks
+        self.steady = False
+
+    def timed(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """``batches``, with the time each ``next`` takes between the two marks added to
+        ``waited``: the loop waiting for the loader (for worker processes: until a batch is
+        in pinned memory; the copy to the device is queued, not waited for)."""
+        while True:
+            t0 = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            if self.steady:
+                self.waited += time.perf_counter() - t0
+            yield batch
 
     def tick(self, done: int) -> None:
+        self.steady = self.warm <= done < self.max_steps  # the next step's batches: in the window
         if done in (self.warm, self.max_steps) and done > self.start:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -68,14 +87,18 @@ class Throughput:
 
     def summary(self) -> dict[str, float | None]:
         seconds = self.seconds if self.seconds is not None else time.perf_counter() - self.t0
-        steady = None
+        steady = waiting = None
         if self.warm in self.marks and self.max_steps in self.marks and self.max_steps > self.warm:
             span = self.marks[self.max_steps] - self.marks[self.warm]
             steady = (self.max_steps - self.warm) * self.batch_size / span
+            waiting = self.waited / span
         warm = self.marks.get(self.warm)
         return {
             "images_per_second": (self.max_steps - self.start) * self.batch_size / seconds,
             "steady_images_per_second": steady,
+            # the part of the steady span the loop waited for batches: near 0, the loader
+            # keeps up; near 1, the loader sets the pace (more workers, loader=device)
+            "loader_wait_fraction": waiting,
             # the first steps, until steady: torch.compile's compilation falls here
             "warmup_seconds": warm - self.t0 if warm is not None else None,
         }
