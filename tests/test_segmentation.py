@@ -253,6 +253,15 @@ def test_image_mask_folder_is_read_lazily_with_its_masks(tmp_path, monkeypatch):
     images, masks = d.train.fetch(torch.tensor([0, 1]))
     assert torch.equal(masks, source.train.labels[stems[:2]])  # masks exact (PNG, nearest)
     assert torch.equal(images, source.train.images[stems[:2]])  # same size: no resampling
+    assert d.test is None
+    held = image_mask_folder(
+        str(tmp_path / "data"), num_classes=4, image_size=32, val_fraction=0.25, test_fraction=0.25
+    )
+    split = {s: set(getattr(held, s).images) for s in ("train", "val", "test")}
+    assert len(split["test"]) == 6 and len(split["train"]) == 12
+    assert not split["test"] & (split["train"] | split["val"])
+    assert split["val"] == set(d.val.images)  # the same validation split as without it
+    assert all(m.stem == i.stem for i, m in zip(held.test.images, held.test.masks, strict=True))
 
 
 def test_image_mask_folder_errors_name_the_file(tmp_path):

@@ -278,18 +278,9 @@ def image_folder(
         )
     labels = torch.tensor([label for _, label in files])
     train_idx, val_idx = keyed_split(len(files), val_fraction, seed, "image-folder-split", path)
-    test_idx = None
-    if test_fraction:
-        if not 0 < test_fraction < 1:
-            raise DataError(
-                f"data.test_fraction={test_fraction} is invalid; allowed: a number in [0, 1)."
-            )
-        order = keyed_permutation(len(train_idx), seed, "image-folder-test")
-        n_test = max(1, round(test_fraction * len(files)))
-        if n_test >= len(train_idx):
-            raise DataError(f"data.path={path!r}: too few images to hold out data.test_fraction.")
-        test_idx = train_idx[order[:n_test]].sort().values
-        train_idx = train_idx[order[n_test:]].sort().values
+    train_idx, test_idx = hold_out_test(
+        train_idx, len(files), test_fraction, seed, "image-folder-test", path
+    )
 
     def split(index: torch.Tensor) -> Split:
         lazy = LazyImages([files[i][0] for i in index], labels[index], image_size, on_bad_image)
@@ -309,6 +300,25 @@ def image_folder(
         std=std,
         test=split(test_idx) if test_idx is not None else None,
     )
+
+
+def hold_out_test(
+    train_idx: torch.Tensor, total: int, test_fraction: float, seed: int, key: str, path: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(train, test)``: ``test_fraction`` of all ``total`` files taken out of the training
+    indices by a permutation keyed by ``(seed, key)`` (so the validation split is the one
+    without a test split); ``test`` is None when the fraction is 0."""
+    if not test_fraction:
+        return train_idx, None
+    if not 0 < test_fraction < 1:
+        raise DataError(
+            f"data.test_fraction={test_fraction} is invalid; allowed: a number in [0, 1)."
+        )
+    order = keyed_permutation(len(train_idx), seed, key)
+    n_test = max(1, round(test_fraction * total))
+    if n_test >= len(train_idx):
+        raise DataError(f"data.path={path!r}: too few images to hold out data.test_fraction.")
+    return train_idx[order[n_test:]].sort().values, train_idx[order[:n_test]].sort().values
 
 
 BAD_IMAGE_CHOICES = ("stop", "skip")
@@ -479,6 +489,7 @@ def image_mask_folder(
     seed: int = 1234,
     augment: bool = True,
     mask_map: dict[int, int] | None = None,
+    test_fraction: float = 0.0,
 ) -> DataSplits:
     """Your own segmentation data: ``path/images/<stem>.<ext>`` and ``path/masks/<stem>.png``
     with matching stems; masks hold class indices ``0 .. num_classes - 1`` (255: ignore),
@@ -486,7 +497,8 @@ def image_mask_folder(
 
     Files are listed here, in sorted order, and read lazily (:class:`LazyImageMasks`), at
     ``image_size``×``image_size``. The validation split is a permutation keyed by ``seed``,
-    so the same folder gives the same splits everywhere."""
+    so the same folder gives the same splits everywhere; ``test_fraction`` holds a test
+    split out of the training files, as :func:`image_folder` does."""
     _pillow()
     root = Path(path).expanduser()
     image_dir, mask_dir = root / "images", root / "masks"
@@ -520,6 +532,9 @@ def image_mask_folder(
     train_idx, val_idx = keyed_split(
         len(stems), val_fraction, seed, "image-mask-folder-split", path
     )
+    train_idx, test_idx = hold_out_test(
+        train_idx, len(stems), test_fraction, seed, "image-mask-folder-test", path
+    )
 
     def split(idx: torch.Tensor) -> LazyImageMasks:
         chosen = [stems[i] for i in idx.tolist()]
@@ -531,7 +546,8 @@ def image_mask_folder(
             {int(k): int(v) for k, v in mask_map.items()} if mask_map else None,
         )
 
-    return DataSplits(split(train_idx), split(val_idx), num_classes, augment)
+    test = split(test_idx) if test_idx is not None else None
+    return DataSplits(split(train_idx), split(val_idx), num_classes, augment, test=test)
 
 
 SHAPES = ("disc", "square", "triangle", "ring", "cross")
