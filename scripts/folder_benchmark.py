@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _results import command_line, environment_line, result_stem, today
+from _results import command_line, environment_line, today, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 # runs inside the child: train.py's own entry, then this process's and its workers' peaks
@@ -193,13 +193,8 @@ def main() -> None:
             f"{r['worker_mib']:.0f} | {r['images_per_second']:.1f}{spread} | {ratio} | "
             f"{r['loader_wait']:.1%} | " + ", ".join(f"`{w[:12]}`" for w in r["weights"]) + " |"
         )
-    stem = result_stem("folder", today(), env)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    (args.out / f"{stem}.json").write_text(
-        json.dumps({"command": command_line(), "environment": env, "rows": rows}, indent=2) + "\n"
-    )
-    print(f"wrote {args.out / stem}.md/.json")
+    record = {"command": command_line(), "environment": env, "rows": rows}
+    write_results(args.out, "folder", today(), env, "\n".join(lines) + "\n", record)
 
 
 if __name__ == "__main__":

@@ -159,6 +159,34 @@ def test_benchmark_runs_the_lightning_peer_beside_strict(tmp_path):
 
 
 @pytest.mark.e2e
+def test_folder_benchmark_gives_one_digest_for_lazy_and_in_memory(tmp_path):
+    """A folder of PNG and JPEG files of varied sizes, read up front (main process and a
+    worker) and per sample (a worker): one weights digest, and the memory and speed rows."""
+    pytest.importorskip("PIL")
+    args = ["--sizes", "24", "--workers", "1", "--steps", "4", "--image-size", "16"]
+    run_script(
+        "folder_benchmark.py",
+        *args,
+        "--root",
+        str(tmp_path / "folders"),
+        "--out",
+        str(tmp_path),
+        "--",
+        "trainer.batch_size=8",
+        "trainer.micro_batch_size=4",
+        "model.width=8",
+    )
+    files = sorted(p.suffix for p in (tmp_path / "folders" / "images-24-16").glob("class*/*"))
+    assert set(files) == {".jpg", ".png"}
+    (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("folder-*.json")]
+    rows = [(r["mode"], r["workers"]) for r in record["rows"]]
+    assert rows == [("in memory", 0), ("in memory", 1), ("lazy", 1)]
+    assert len({w for r in record["rows"] for w in r["weights"]}) == 1
+    assert all(r["main_mib"] > 0 and r["images_per_second"] > 0 for r in record["rows"])
+    assert "| 24 | lazy | 1 |" in next(tmp_path.glob("folder-*.md")).read_text()
+
+
+@pytest.mark.e2e
 def test_profile_step_refuses_a_window_without_warm_up():
     out = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "profile_step.py"), "--warmup", "0"],
