@@ -170,7 +170,8 @@ def main() -> None:
         f"`{command_line()}`",
         "",
         f"{environment_line(env)}. {args.image_size}×{args.image_size} images (PNG and JPEG, "
-        f"varied sizes before resizing), 10 classes, the default ConvNet, {args.steps} steps, "
+        f"varied sizes before resizing), 10 classes, {args.steps} steps, the model and "
+        "settings of the overrides in the command (none: the default ConvNet, batch 64), "
         "one `python train.py` process per row. Memory: peak resident set of the training "
         "process, and of its largest child (`ru_maxrss`; forked children, the loader workers "
         "and helpers, count the pages they share with the training process at the fork). "
