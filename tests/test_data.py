@@ -374,8 +374,9 @@ def test_a_lazy_split_reads_files_when_fetched_and_stops_or_skips_a_bad_one(tmp_
 @pytest.mark.e2e
 def test_image_folder_lazy_and_in_memory_give_the_same_bits_with_any_loader(tmp_path):
     """A folder of PNG and JPEG files of varied sizes, some unreadable (skipped): read in
-    the main process up front, or per micro-batch in 2 loader workers -- the same bits; and
-    best.pt after a run with evaluations."""
+    the main process up front, or per micro-batch in 2 loader workers, killed after step 5
+    and resumed from its step-3 checkpoint -- the same bits; and best.pt after a run with
+    evaluations."""
     pytest.importorskip("PIL")
     root = _mixed_folder(tmp_path / "images", corrupt=("05.png", "10.jpg"))
     args = [
@@ -387,10 +388,23 @@ def test_image_folder_lazy_and_in_memory_give_the_same_bits_with_any_loader(tmp_
         "trainer.micro_batch_size=8",
         "trainer.max_steps=8",  # 4 steps an epoch: every training file is read, twice
         "trainer.eval_every=4",
+        "trainer.checkpoint_every=3",
         "model.width=8",
     ]
     memory = train_here(tmp_path / "memory", *args, "data.in_memory=true", "loader=single")
-    lazy = train_here(tmp_path / "lazy", *args, "loader=multi", "loader.num_workers=2")
+
+    class Killed(Exception):
+        pass
+
+    def kill(step, model):
+        if step == 5:
+            raise Killed
+
+    lazy_args = [*args, "loader=multi", "loader.num_workers=2"]
+    with pytest.raises(Killed):
+        train_here(tmp_path / "lazy", *lazy_args, after_step=kill)
+    lazy = train_here(tmp_path / "lazy", *lazy_args, "trainer.resume=auto")
+    assert lazy.summary["resumes"][-1]["step"] == 3
     assert lazy.summary["weights_sha256"] == memory.summary["weights_sha256"]
     assert lazy.losses == memory.losses
     assert "05.png (" in memory.output and "Skipped (data.on_bad_image=skip)" in memory.output
