@@ -239,6 +239,7 @@ ABSENT_MEANS = {
     "trainer.ema.start": 0,
     "optim.clip_grad_norm": None,
     "trainer.overfit_batch": False,
+    "data.test_fraction": 0.0,  # image_folder, image_mask_folder: no test split
 }
 # Relevant-looking keys that cannot change the bits of a resumed run: the NCCL settings only
 # matter to dist.reduction=all_reduce, which is compared itself; filling new tensors with

@@ -403,13 +403,22 @@ def _validate_loggers(node: Any) -> None:
                 f"config error: logger.{name}._target_={entry._target_!r} cannot be imported "
                 f"({type(err).__name__}); check the dotted path."
             ) from None
+        from repro.loggers import Logger
+
+        if not (inspect.isclass(target) and issubclass(target, Logger)):
+            raise ConfigError(
+                f"config error: logger.{name}._target_={entry._target_!r} is not a subclass "
+                "of repro.loggers.Logger (docs/extending.md, 'A logger')."
+            )
         _check_arguments(f"logger.{name}", entry, target)
-        module, extra = getattr(target, "requires", None) or (None, None)
+        module, extra = target.requires or (None, None)
         if module is not None and importlib.util.find_spec(module) is None:
             raise ConfigError(
                 f"config error: logger={name} needs the {module} package, which is not "
                 f"installed: pip install -e '.[{extra}]' (or leave {name} out of logger=)."
             )
+        arguments = OmegaConf.to_container(entry, resolve=True)
+        target(**{k: v for k, v in arguments.items() if not k.startswith("_")})  # its checks
 
 
 def _validate_optim(o: DictConfig) -> None:

@@ -26,16 +26,19 @@ nothing) in your module, and ``conf/logger/<name>.yaml`` holding
 from __future__ import annotations
 
 import csv
+import importlib.util
 import io
 import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from repro.checkpoint import atomic_write
+from repro.errors import ConfigError
 from repro.files import EVAL_FILE, LOGGERS_FILE, METRICS_FILE, finite_or_null
 
 log = logging.getLogger("repro")
@@ -61,6 +64,8 @@ class Logger:
     # (module, extra): the module must be importable, else the run stops before it starts
     # with ``pip install -e '.[extra]'``
     requires: ClassVar[tuple[str, str] | None] = None
+    # True: an error of this logger stops the run (else: it is warned about and dropped)
+    essential: ClassVar[bool] = False
 
     def start(self, info: RunInfo) -> None:
         pass
@@ -83,7 +88,12 @@ class Logger:
 
 class Loggers:
     """The run's chosen loggers, each called in turn; empty on ranks other than 0 and
-    before :meth:`open`."""
+    before :meth:`open`.
+
+    A logger that fails while the run trains (a tracking server gone, a full disk under
+    its files) is warned about once, closed and dropped, and the run goes on: the values
+    are still in ``trace.jsonl`` (and the CSVs). Only a logger marked ``essential`` (the
+    CSVs) stops the run with its error; so does any logger that fails to start."""
 
     def __init__(self) -> None:
         self.chosen: list[tuple[str, Logger]] = []
@@ -95,34 +105,48 @@ class Loggers:
 
         for name, entry in (node or {}).items():
             logger = instantiate(entry, _convert_="all")
+            self.chosen.append((str(name), logger))  # closed even if its start fails
             logger.start(info)
-            self.chosen.append((str(name), logger))
+
+    def _each(self, call: Callable[[Logger], Any]) -> None:
+        for name, logger in list(self.chosen):
+            try:
+                call(logger)
+            except Exception as err:
+                if logger.essential:
+                    raise
+                self.chosen.remove((name, logger))
+                log.warning(
+                    f"logger {name} failed ({type(err).__name__}: {err}); the run goes on "
+                    "without it (trace.jsonl holds every value)"
+                )
+                _close(name, logger)
 
     def log_steps(self, rows: list[dict[str, Any]]) -> None:
-        for _, logger in self.chosen:
-            logger.log_steps(rows)
+        self._each(lambda logger: logger.log_steps([dict(r) for r in rows]))
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
-        for _, logger in self.chosen:
-            logger.log_eval(step, metrics)
+        self._each(lambda logger: logger.log_eval(step, dict(metrics)))
 
     def flush(self) -> None:
-        for _, logger in self.chosen:
-            logger.flush()
+        self._each(lambda logger: logger.flush())
 
     def finish(self, summary: dict[str, Any]) -> None:
-        for _, logger in self.chosen:
-            logger.finish(summary)
+        self._each(lambda logger: logger.finish(summary))
 
     def close(self) -> None:
         """Close every logger; one that fails to close is warned about, so that it neither
         hides the run's own error nor keeps the others open."""
         chosen, self.chosen = self.chosen, []
         for name, logger in chosen:
-            try:
-                logger.close()
-            except Exception as err:  # noqa: BLE001 - reported, and the others still close
-                log.warning(f"logger {name}: closing failed ({type(err).__name__}: {err})")
+            _close(name, logger)
+
+
+def _close(name: str, logger: Logger) -> None:
+    try:
+        logger.close()
+    except Exception as err:  # reported; the run's own error (if any) stays the one raised
+        log.warning(f"logger {name}: closing failed ({type(err).__name__}: {err})")
 
 
 def remembered(run_dir: Path, name: str) -> dict[str, Any] | None:
@@ -181,7 +205,10 @@ class CsvLog:
 class CsvLogger(Logger):
     """``metrics.csv`` (a row per step) and ``eval.csv`` (a row per evaluation) in the run
     directory, floats written with ``repr`` (exact). ``repro report`` draws its curves
-    from them; a resumed run keeps their rows up to its checkpoint and appends."""
+    from them; a resumed run keeps their rows up to its checkpoint and appends. Essential:
+    an error writing them (a full disk) stops the run."""
+
+    essential = True
 
     def start(self, info: RunInfo) -> None:
         at = info.start if info.resumed else None
@@ -224,8 +251,7 @@ class TensorBoardLogger(Logger):
             str(info.run_dir / self.subdir), purge_step=purge, flush_secs=self.flush_secs
         )
         step = info.start
-        if not info.resumed:
-            self.writer.add_text("config", _code(json.dumps(info.config, indent=2)), step)
+        self.writer.add_text("config", _code(json.dumps(info.config, indent=2)), step)
         for path in info.metadata:
             self.writer.add_text(path.name, _code(path.read_text()), step)
 
@@ -285,6 +311,13 @@ class MlflowLogger(Logger):
         artifact_location: str | None = None,
     ) -> None:
         self.uri = _absolute_sqlite(tracking_uri)
+        if self.uri.startswith("sqlite:") and any(
+            importlib.util.find_spec(m) is None for m in ("sqlalchemy", "alembic")
+        ):
+            raise ConfigError(
+                "config error: logger=mlflow with a SQLite store needs sqlalchemy and alembic: "
+                "pip install -e '.[mlflow]' (or a tracking server: logger.mlflow.tracking_uri=http://...)."
+            )
         self.experiment, self.run_name = experiment, run_name
         self.artifact_location = artifact_location
         self.run_id: str | None = None
@@ -295,6 +328,8 @@ class MlflowLogger(Logger):
 
         for noisy in ("mlflow", "alembic"):  # "Creating initial MLflow database tables..."
             logging.getLogger(noisy).setLevel(logging.WARNING)
+        if self.uri.startswith("sqlite:///"):
+            Path(self.uri[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
         self.client = MlflowClient(tracking_uri=self.uri)
         held = remembered(info.run_dir, "mlflow") if info.resumed else None
         if held and held.get("tracking_uri") == self.uri:
@@ -356,13 +391,11 @@ class MlflowLogger(Logger):
 
 def _absolute_sqlite(uri: str) -> str:
     """``sqlite:///relative/path.db`` made absolute (from the directory train.py started
-    in), with its folder created: the store is the same wherever a process runs."""
+    in): the store is the same wherever a process runs."""
     prefix = "sqlite:///"
     if not uri.startswith(prefix) or uri.startswith(prefix + "/"):
         return uri
-    path = Path(uri[len(prefix) :]).resolve()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return prefix + str(path)
+    return prefix + str(Path(uri[len(prefix) :]).resolve())
 
 
 def _beside_store(uri: str) -> str | None:
@@ -371,6 +404,9 @@ def _beside_store(uri: str) -> str | None:
     if uri.startswith("sqlite:///"):
         return str(Path(uri[len("sqlite:///") :]).parent / "mlflow-artifacts")
     return None
+
+
+WANDB_MODES = ("offline", "online", "disabled")
 
 
 class WandbLogger(Logger):
@@ -391,6 +427,11 @@ class WandbLogger(Logger):
         name: str | None = None,
         tags: list[str] | None = None,
     ) -> None:
+        if mode not in WANDB_MODES:
+            raise ConfigError(
+                f"config error: logger.wandb.mode={mode!r} is invalid; allowed: "
+                f"{', '.join(WANDB_MODES)}."
+            )
         self.project, self.mode, self.entity, self.name, self.tags = (
             project,
             mode,

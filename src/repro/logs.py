@@ -172,9 +172,9 @@ class TrainingLog:
     def close(self) -> None:
         """The trace closed and the loggers flushed (their owner closes them)."""
         self.progress.close()
-        self.loggers.flush()
         if self.trace:
             self.trace.close()
+        self.loggers.flush()
 
     def __enter__(self) -> TrainingLog:
         return self

@@ -102,8 +102,10 @@ def train(
             raise
         raise explained from err
     finally:
-        run.loggers.close()  # also after a crash: a run stopped early is marked so
-        lock.release()
+        try:
+            run.loggers.close()  # also after a crash: a run stopped early is marked so
+        finally:
+            lock.release()
 
 
 def _train(
@@ -448,8 +450,8 @@ def finish(
         "resumes": checkpoints.resumes,
         "environment": run.identity.environment,
     }
+    run.loggers.finish(summary)  # before summary.json, which marks the run complete
     write_json(run.dir / SUMMARY_FILE, summary)
-    run.loggers.finish(summary)
     value = logs.last_metrics.get(headline, float("nan"))
     log.info(
         f"done: {max_steps} steps, final loss {logs.last_loss:.4f}, "

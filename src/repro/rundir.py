@@ -181,7 +181,6 @@ RUN_FILES = {
     CHECKPOINT_DIR,
     BEST_FILE,
     TEST_FILE,
-    LOGGERS_FILE,
     "tensorboard",  # the loggers' own (conf/logger/)
     "wandb",
     "rerun",
