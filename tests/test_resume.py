@@ -809,3 +809,16 @@ def test_the_cpu_instruction_set_decides_a_cpu_resume_not_a_gpu_one():
     ]
     assert mismatches(on_gpu, cfg, other_capability, "cuda") == []  # the GPU computes the step
     assert mismatches(on_gpu, cfg, other_isa, "cuda") == []
+
+
+def test_a_checkpoint_from_before_data_test_fraction_resumes_without_a_test_split():
+    """image_folder and image_mask_folder gained data.test_fraction (0: none): their older
+    checkpoints lack it, which meant no test split."""
+    from repro.checkpoint import mismatches
+
+    data = {"_target_": "repro.data.image_mask_folder", "path": "d", "num_classes": 3}
+    before = {"config": {"seed": 0, "data": data}, "device": "cpu"}
+    assert mismatches(before, {"seed": 0, "data": {**data, "test_fraction": 0.0}}, {}, "cpu") == []
+    assert mismatches(before, {"seed": 0, "data": {**data, "test_fraction": 0.2}}, {}, "cpu") == [
+        "data.test_fraction: 0.0 (checkpoint) vs 0.2 (now)"
+    ]
