@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import train_here
+from conftest import run_train, train_here
 from repro.data import (
     DataSplits,
     DeviceBatches,
@@ -371,27 +371,38 @@ def test_a_lazy_split_reads_files_when_fetched_and_stops_or_skips_a_bad_one(tmp_
         image_folder(str(root), on_bad_image="ignore")
 
 
+# a mixed folder (see _mixed_folder) with two unreadable files, read at 16x16; 4 steps an
+# epoch, so 8 steps read every training file twice
+MIXED = [
+    "data=image_folder",
+    "data.image_size=16",
+    "data.on_bad_image=skip",
+    "trainer.batch_size=16",
+    "trainer.micro_batch_size=8",
+    "trainer.max_steps=8",
+    "trainer.eval_every=4",
+    "trainer.checkpoint_every=3",
+    "model.width=8",
+]
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """The mixed folder, and the run that reads it up front in the main process."""
+    pytest.importorskip("PIL")
+    base = tmp_path_factory.mktemp("mixed")
+    root = _mixed_folder(base / "images", corrupt=("05.png", "10.jpg"))
+    args = [*MIXED, f"data.path={root}"]
+    return args, train_here(base / "memory", *args, "data.in_memory=true", "loader=single")
+
+
 @pytest.mark.e2e
-def test_image_folder_lazy_and_in_memory_give_the_same_bits_with_any_loader(tmp_path):
+def test_image_folder_lazy_and_in_memory_give_the_same_bits_with_any_loader(mixed, tmp_path):
     """A folder of PNG and JPEG files of varied sizes, some unreadable (skipped): read in
     the main process up front, or per micro-batch in 2 loader workers, killed after step 5
     and resumed from its step-3 checkpoint -- the same bits; and best.pt after a run with
     evaluations."""
-    pytest.importorskip("PIL")
-    root = _mixed_folder(tmp_path / "images", corrupt=("05.png", "10.jpg"))
-    args = [
-        "data=image_folder",
-        f"data.path={root}",
-        "data.image_size=16",
-        "data.on_bad_image=skip",
-        "trainer.batch_size=16",
-        "trainer.micro_batch_size=8",
-        "trainer.max_steps=8",  # 4 steps an epoch: every training file is read, twice
-        "trainer.eval_every=4",
-        "trainer.checkpoint_every=3",
-        "model.width=8",
-    ]
-    memory = train_here(tmp_path / "memory", *args, "data.in_memory=true", "loader=single")
+    args, memory = mixed
 
     class Killed(Exception):
         pass
@@ -409,3 +420,47 @@ def test_image_folder_lazy_and_in_memory_give_the_same_bits_with_any_loader(tmp_
     assert lazy.losses == memory.losses
     assert "05.png (" in memory.output and "Skipped (data.on_bad_image=skip)" in memory.output
     assert (lazy.dir / "best.pt").is_file() and lazy.summary["best"]["step"] in (4, 8)
+
+
+@pytest.mark.e2e
+def test_image_folder_read_lazily_by_two_processes_gives_the_one_process_bits(mixed, tmp_path):
+    """torchrun, 2 processes (one micro-batch of each step on each), each reading its
+    share of the files in 2 loader workers: the bits of one process reading them up front."""
+    args, memory = mixed
+    two = run_train(tmp_path / "two", *args, "loader=multi", "loader.num_workers=2", nproc=2)
+    assert two.summary["world_size"] == 2
+    assert two.summary["weights_sha256"] == memory.summary["weights_sha256"]
+    assert two.losses == memory.losses
+
+
+def test_a_skipped_image_is_logged_into_the_run_directory_only_once_it_is_the_runs(mixed, tmp_path):
+    """The skip warnings come while the data is built, before the directory is taken: with
+    Hydra's log file (opened at its first record) they must neither create train.log in a
+    directory that is then refused, nor make a new run's directory look taken."""
+    import logging
+
+    from repro.errors import ConfigError
+
+    args, _ = mixed
+    root = logging.getLogger()
+
+    def with_log_file(run_dir, *extra):
+        handler = logging.FileHandler(run_dir / "train.log", delay=True)
+        root.addHandler(handler)
+        try:
+            return train_here(run_dir, *args, "trainer.max_steps=1", *extra)
+        finally:
+            root.removeHandler(handler)
+            handler.close()
+
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="holds no run of this project"):
+        with_log_file(foreign)
+    assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]  # not a byte written
+    new = tmp_path / "new"
+    new.mkdir()
+    run = with_log_file(new)
+    assert run.summary["steps"] == 1
+    assert "Skipped (data.on_bad_image=skip)" in (new / "train.log").read_text()

@@ -239,9 +239,11 @@ def take_run_dir(
     """Rank 0: the run directory's lock, then :func:`repro.rundir.prepare_run_dir` (which
     passes over a checkpoint that cannot be restored into ``training``)."""
     lock.acquire()
-    return prepare_run_dir(
+    answer = prepare_run_dir(
         run.cfg, run.dir, run.identity, functools.partial(cannot_restore, training)
     )
+    lock.accept()  # the log records held until now go into the directory's log file
+    return answer
 
 
 def keep_last_finite(run: Run, checkpoints: Checkpointer, logs: TrainingLog, step: int) -> None:

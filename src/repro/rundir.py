@@ -221,16 +221,64 @@ def refuse_what_is_not_a_run(run_dir: Path, allow: bool) -> None:
         )
 
 
+class HeldFileLogs:
+    """Log records for files in ``run_dir`` (Hydra's ``train.log``, which opens at its first
+    record), held back from the moment this is made until :meth:`release`: written then if
+    the directory became the run's, dropped (they still went to the console) if it was
+    refused. A warning logged while the data is built (a skipped image) must neither create a
+    file in a directory that is refused, nor make this launch's own directory look taken."""
+
+    def __init__(self, run_dir: Path) -> None:
+        root, folder = logging.getLogger(), Path(run_dir).resolve()
+        self.swapped: list[tuple[logging.FileHandler, _Holding]] = []
+        for i, handler in enumerate(root.handlers):
+            if (
+                isinstance(handler, logging.FileHandler)
+                and handler.stream is None  # not opened yet (delay=True)
+                and Path(handler.baseFilename).resolve().parent == folder
+            ):
+                holding = _Holding(handler.level)
+                root.handlers[i] = holding
+                self.swapped.append((handler, holding))
+
+    def release(self, write: bool) -> None:
+        """Put the file handlers back; with ``write``, hand them the held records. Once."""
+        root = logging.getLogger()
+        for handler, holding in self.swapped:
+            if holding in root.handlers:
+                root.handlers[root.handlers.index(holding)] = handler
+            for record in holding.records if write else []:
+                handler.handle(record)
+        self.swapped = []
+
+
+class _Holding(logging.Handler):
+    def __init__(self, level: int) -> None:
+        super().__init__(level)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
 class RunDirLock:
     """The run directory's owner, for the run's lifetime: ``.lock``, created with
     ``O_CREAT | O_EXCL`` (atomic on local filesystems and on NFS v3 and later), holding the
     host, the pid and the start time. A second launch into the directory is refused with
     the holder's name. A lock whose process is gone is taken over, on the same host only
-    (on another host the process cannot be checked: the message says how to remove it)."""
+    (on another host the process cannot be checked: the message says how to remove it).
+
+    Until :meth:`accept` (the directory is the run's), log records for files in it are held
+    back (:class:`HeldFileLogs`)."""
 
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / LOCK_FILE
         self.held = False
+        self.logs = HeldFileLogs(run_dir)
+
+    def accept(self) -> None:
+        """The directory is the run's: the held log records are written."""
+        self.logs.release(write=True)
 
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -279,6 +327,7 @@ class RunDirLock:
         return False
 
     def release(self) -> None:
+        self.logs.release(write=False)  # refused (or failed) before it was accepted
         if self.held:
             self.held = False
             try:
