@@ -87,6 +87,13 @@ def main() -> int:
         action="store_true",
         help="also run plain DistributedDataParallel (scripts/ddp_peer.py) at every size",
     )
+    p.add_argument(
+        "--reductions",
+        nargs="+",
+        default=["ordered", "all_reduce"],
+        choices=["ordered", "ordered_allgather", "all_reduce"],
+        help="dist.reduction values run at every W > 1 (ordered_allgather: the older path)",
+    )
     p.add_argument("--label", default="", help="names the result files: dist-LABEL-<date>-...")
     p.add_argument("overrides", nargs="*", help="train.py overrides for every run (after --)")
     args = p.parse_args()
@@ -98,14 +105,14 @@ def main() -> int:
         n = 0
         for i in range(args.repeats):
             for w in args.world_sizes:
-                reductions = ["ordered"] if w == 1 else ["ordered", "all_reduce"]
+                reductions = ["ordered"] if w == 1 else list(args.reductions)
                 reductions += ["ddp"] if args.ddp else []
                 for reduction in reductions if i % 2 == 0 else reductions[::-1]:
                     n += 1
                     r = launch(Path(tmp) / f"run{n}", w, reduction, args.steps, args.overrides)
                     results.setdefault(f"{w}/{reduction}", []).append(r)
                     print(
-                        f"W={w} {reduction:10} {i + 1}/{args.repeats}: "
+                        f"W={w} {reduction:17} {i + 1}/{args.repeats}: "
                         f"{r['images_per_second']:9.0f} img/s  {r['weights'][:12]}",
                         flush=True,
                     )
@@ -125,7 +132,7 @@ def main() -> int:
                 "same_bits_as_first": all(r["weights"] == reference for r in runs),
             }
         )
-    order = {"ordered": 0, "all_reduce": 1, "ddp": 2}
+    order = {"ordered": 0, "ordered_allgather": 1, "all_reduce": 2, "ddp": 3}
     rows.sort(key=lambda r: (r["world_size"], order[r["reduction"]]))
     median = {(r["world_size"], r["reduction"]): r["median"] for r in rows}
     base = median[(args.world_sizes[0], "ordered")]
@@ -139,7 +146,7 @@ def main() -> int:
         f"{environment_line(env)}; backend "
         f"{'NCCL (+gloo for CPU messages)' if env.get('gpu') else 'gloo'}. "
         f"{args.steps} steps per run, images/s after the first 10; {args.repeats} repeats, "
-        "the two reductions alternated. Overrides: "
+        "the reductions alternated. Overrides: "
         f"`{' '.join(args.overrides) or '(defaults)'}`.",
         "",
         "`ddp`: plain DistributedDataParallel in a lean loop (`scripts/ddp_peer.py`: no "

@@ -20,7 +20,15 @@ from repro.compare import compare_dirs
 from repro.config import compose
 from repro.dist import World, launched_world
 from repro.errors import ConfigError
-from repro.reduction import check_split, is_subtree, share, tree_reduce
+from repro.reduction import (
+    add_partials,
+    canonical_nodes,
+    check_split,
+    finish_tree,
+    is_subtree,
+    share,
+    tree_reduce,
+)
 from repro.running_stats import RunningStats
 
 # 4 micro-batches of 16 a step: 4, 2 or 1 of them on each rank
@@ -75,6 +83,18 @@ def test_world_size_does_not_change_the_bits(runs, world_size):
     assert_same_bits(many, one)
     env = compare_dirs(one.dir, many.dir).text()
     assert f"environment.world_size: 1 vs {world_size}" in env
+
+
+@pytest.mark.e2e
+def test_three_processes_give_the_one_process_bits(tmp_path):
+    """W = 3 does not cut K = 6 into power-of-two subtrees: ranks 0 and 1 each sum two
+    canonical nodes of the tree ([0,1) [1,2); [2,3) [3,4)), rank 2 one ([4,6)), and the
+    reduce-scatter finishes the tree over them."""
+    six = [*SMALL, "trainer.batch_size=96", "data.train_size=768", "loader=single"]  # 6 x 16
+    one = train_here(tmp_path / "w1", *six)
+    three = run_train(tmp_path / "w3", *six, nproc=3)
+    assert three.summary["world_size"] == 3
+    assert_same_bits(three, one)
 
 
 @pytest.mark.e2e
@@ -221,41 +241,106 @@ def test_a_sweep_under_torchrun_is_refused(tmp_path):
 # ------------------------------------------------------------------ in-process units
 
 
-def test_equal_power_of_two_shares_are_whole_subtrees():
-    for k in range(1, 65):
-        for w in (1, 2, 4, 8):
-            if k % w == 0:
-                check_split(k, World(0, w))
-                s = k // w
-                assert all(is_subtree(r * s, (r + 1) * s, k) for r in range(w))
-    with pytest.raises(ConfigError, match="cannot be split among 3 processes"):
-        check_split(12, World(0, 3))  # [4, 8) straddles the midpoint 6
-    with pytest.raises(ConfigError, match="cannot be split among 4 processes"):
-        check_split(6, World(0, 4))
+def test_a_share_is_covered_by_its_canonical_nodes_which_are_tree_nodes():
+    for k in range(1, 49):
+        for w in range(1, k + 1):
+            if k % w:
+                with pytest.raises(ConfigError, match=f"cannot be split among {w} processes"):
+                    check_split(k, World(0, w))
+                continue
+            check_split(k, World(0, w))
+            s = k // w
+            for r in range(w):
+                nodes = canonical_nodes(r * s, (r + 1) * s, k)
+                assert [i for a, b in nodes for i in range(a, b)] == list(range(r * s, (r + 1) * s))
+                assert all(is_subtree(a, b, k) for a, b in nodes)
+                if w & (w - 1) == 0:  # a power of two: the share is one node
+                    assert nodes == [(r * s, (r + 1) * s)]
+    assert canonical_nodes(0, 2, 6) == [(0, 1), (1, 2)]  # 3 ranks: [0, 3) splits 1 + 2
     assert share(8, World(3, 4)) == (6, 2)
 
 
-def test_subtree_sums_then_a_tree_over_ranks_is_the_tree_over_k():
-    """The reduction's claim, on values where the order of float additions shows."""
+def decades(k: int, n: int = 1000) -> list[torch.Tensor]:
+    """``k`` vectors whose entries span 16 decades: the order of float additions shows."""
     g = torch.Generator().manual_seed(0)
-    k = 16
-    leaves = [
-        torch.randn(1000, generator=g) * 10.0 ** torch.randint(-8, 8, (1000,), generator=g)
+    return [
+        torch.randn(n, generator=g) * 10.0 ** torch.randint(-8, 8, (n,), generator=g)
         for _ in range(k)
     ]
+
+
+def test_canonical_node_sums_then_the_rest_of_the_tree_is_the_tree_over_k():
+    """The reduction's claim, for any W that divides K, on values where the order of float
+    additions shows."""
 
     def add(a, b):
         return a + b
 
-    one = tree_reduce(0, k, lambda i: leaves[i], add)
-    for w in (2, 4, 8, 16):
-        s = k // w
-        parts = [tree_reduce(r * s, (r + 1) * s, lambda i: leaves[i], add) for r in range(w)]
-        assert torch.equal(tree_reduce(0, w, parts.__getitem__, add), one)
-    in_order = leaves[0].clone()
-    for x in leaves[1:]:
-        in_order += x
-    assert not torch.equal(in_order, one)  # the test can tell orders apart
+    for k in (6, 12, 16):
+        leaves = decades(k)
+        one = tree_reduce(0, k, leaves.__getitem__, add)
+        for w in [w for w in range(2, k + 1) if k % w == 0]:
+            s = k // w
+            known = {
+                (a, b): tree_reduce(a, b, leaves.__getitem__, add)
+                for r in range(w)
+                for a, b in canonical_nodes(r * s, (r + 1) * s, k)
+            }
+            assert torch.equal(finish_tree(k, known, add), one), (k, w)
+    # the test can tell orders apart: the ranks' shares summed left to right differ
+    leaves = decades(6)
+    shares = [tree_reduce(2 * r, 2 * r + 2, leaves.__getitem__, add) for r in range(3)]
+    assert not torch.equal(
+        shares[0] + shares[1] + shares[2], tree_reduce(0, 6, leaves.__getitem__, add)
+    )
+
+
+def _reduce_in_three_processes(rank: int, path: str, results: str) -> None:
+    """One of 3 gloo processes: its canonical nodes' partial sums of 6 decades-spanning
+    leaves (as (loss, grads)), reduced by each ordered path; rank 0 saves the results."""
+    import torch.distributed as tdist
+
+    from repro.reduction import Reducer
+
+    tdist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=3)
+    leaves = decades(6, 999)  # 999 values: 1 loss + 497 + 501; 3 shards of 333
+
+    def leaf(i):
+        x = leaves[i].clone()
+        return x[0], [x[1:498].view(7, 71), x[498:]]
+
+    nodes = canonical_nodes(2 * rank, 2 * rank + 2, 6)
+    out = {}
+    for how in ("ordered", "ordered_allgather"):
+        partials = [tree_reduce(a, b, leaf, add_partials) for a, b in nodes]
+        extras = [[torch.tensor([float(2 * rank + j)])] for j in range(2)]
+        loss, grads, regrouped = Reducer(World(rank, 3), how)(partials, extras)
+        out[how] = (loss, grads, [t for mb in regrouped for t in mb])
+    if rank == 0:
+        torch.save(out, results)
+    tdist.destroy_process_group()
+
+
+@pytest.mark.e2e
+def test_both_ordered_reductions_over_three_processes_are_the_tree_of_one(tmp_path):
+    """gloo, 3 processes (shares [0, 2), [2, 4), [4, 6) of K = 6: rank 0 and 1 hold two
+    canonical nodes, rank 2 one): the reduce-scatter and the all-gather give the
+    single-process tree's loss and gradients, bit for bit."""
+    import torch.multiprocessing as mp
+
+    results = tmp_path / "results.pt"
+    mp.spawn(_reduce_in_three_processes, args=(str(tmp_path / "rdv"), str(results)), nprocs=3)
+    leaves = decades(6, 999)
+
+    def leaf(i):
+        x = leaves[i].clone()
+        return x[0], [x[1:498].view(7, 71), x[498:]]
+
+    loss, grads = tree_reduce(0, 6, leaf, add_partials)
+    for how, (got_loss, got_grads, got_extras) in torch.load(results).items():
+        assert torch.equal(got_loss, loss), how
+        assert all(torch.equal(a, b) for a, b in zip(got_grads, grads, strict=True)), how
+        assert [float(t) for t in got_extras] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]  # micro-batch order
 
 
 def test_running_stats_follow_pytorchs_formula():

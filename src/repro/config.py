@@ -52,12 +52,15 @@ class DistBackend(StrEnum):
 
 
 class Reduction(StrEnum):
-    """How the ranks combine their gradients. ``ordered``: all-gather the partial sums and
-    finish the fixed tree on every rank (the bits do not depend on the world size).
+    """How the ranks combine their gradients. ``ordered``: a reduce-scatter that finishes
+    the fixed tree shard by shard (the bits do not depend on the world size; about 2x the
+    gradient's bytes through each rank). ``ordered_allgather``: every rank gathers every
+    partial sum whole and finishes the tree (the same bits; W x the bytes): for comparison.
     ``all_reduce``: one all-reduce, as plain DDP does (repeatable with pinned NCCL settings,
     but 1, 2 and 4 processes differ in the last bits): for measuring what ``ordered`` costs."""
 
     ordered = "ordered"
+    ordered_allgather = "ordered_allgather"
     all_reduce = "all_reduce"
 
 

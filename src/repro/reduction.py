@@ -2,11 +2,13 @@
 
 A step is K micro-batches; their losses and gradients are summed by one fixed binary tree
 over k (:func:`tree_reduce`, split at the midpoint), whoever computes them. With W processes
-(``torchrun``), rank r computes the contiguous share ``[r*K/W, (r+1)*K/W)`` -- a whole
-subtree of that tree -- and sums it locally; the ranks all-gather the W partial sums (an
-all-gather copies bytes and adds nothing) and every rank finishes the same tree over them
-(:class:`Reducer`). Every addition is the one a single process makes, in the same order, so
-1, 2 or 4 processes give the same bits, and NCCL's choice of algorithm cannot enter the sum.
+(``torchrun``, any W that divides K), rank r computes the contiguous share
+``[r*K/W, (r+1)*K/W)`` and sums each of its *canonical nodes* -- the largest nodes of that
+tree inside its share (:func:`canonical_nodes`: the share itself when W is a power of two) --
+locally. The ranks then exchange those partial sums (collectives that copy bytes and add
+nothing) and finish the same tree over them (:func:`finish_tree`, :class:`Reducer`). Every
+addition is the one a single process makes, in the same order, so 1, 2, 3, 4... processes
+give the same bits, and NCCL's choice of algorithm cannot enter the sum.
 """
 
 from __future__ import annotations
@@ -51,20 +53,44 @@ def is_subtree(lo: int, hi: int, k: int) -> bool:
     return True
 
 
+def canonical_nodes(lo: int, hi: int, k: int) -> list[tuple[int, int]]:
+    """The largest nodes of the midpoint tree over ``[0, k)`` that lie inside ``[lo, hi)``,
+    left to right: they cover it exactly, and their sums are partial sums the tree makes.
+    ``[lo, hi)`` itself when it is a node (a power-of-two W's share)."""
+    nodes: list[tuple[int, int]] = []
+
+    def visit(a: int, b: int) -> None:
+        if lo <= a and b <= hi:
+            nodes.append((a, b))
+        elif a < hi and lo < b:  # overlaps: a node of 2+ leaves, partly inside
+            mid = a + (b - a) // 2
+            visit(a, mid)
+            visit(mid, b)
+
+    visit(0, k)
+    return nodes
+
+
+def finish_tree(k: int, known: dict[tuple[int, int], T], add: Callable[[T, T], T]) -> T:
+    """The midpoint tree over ``[0, k)`` whose nodes in ``known`` are given (partial sums
+    made elsewhere): the additions above them, in the tree's order."""
+
+    def node(a: int, b: int) -> T:
+        if (a, b) in known:
+            return known[(a, b)]
+        mid = a + (b - a) // 2
+        return add(node(a, mid), node(mid, b))
+
+    return node(0, k)
+
+
 def check_split(k: int, world: World) -> None:
-    """The K micro-batches must split into W equal contiguous shares that are whole
-    subtrees of the fixed tree (true whenever W is a power of two that divides K)."""
-    if world.size == 1:
-        return
-    share = k // world.size
-    if k % world.size or not all(
-        is_subtree(r * share, (r + 1) * share, k) for r in range(world.size)
-    ):
+    """The K micro-batches must split into W equal contiguous shares: W divides K."""
+    if k % world.size:
         raise ConfigError(
             f"config error: trainer.batch_size / trainer.micro_batch_size = {k} micro-batches "
-            f"cannot be split among {world.size} processes as whole subtrees of the fixed "
-            "summation tree; use a power-of-two number of processes that divides it, or "
-            "change trainer.micro_batch_size."
+            f"cannot be split among {world.size} processes; use a number of processes that "
+            f"divides {k}, or change trainer.batch_size or trainer.micro_batch_size."
         )
 
 
@@ -85,21 +111,34 @@ def add_partials(a: Partial, b: Partial) -> Partial:
 
 
 class Reducer:
-    """Combine the ranks' partial sums ``(loss, grads)`` of a step and their micro-batches'
-    extra tensors (BatchNorm statistics, in micro-batch order) -- the same on every rank.
+    """Combine the ranks' partial sums ``(loss, grads)`` of a step -- one per canonical node
+    of the rank's share, left to right -- and their micro-batches' extra tensors (BatchNorm
+    statistics, in micro-batch order): the same result on every rank.
 
-    ``ordered``: all-gather, then the fixed tree over ranks (:data:`repro.config.Reduction`).
-    ``all_reduce``: one all-reduce SUM of the partial sums (NCCL's order)."""
+    ``ordered`` (:data:`repro.config.Reduction`): a reduce-scatter in the tree's order. The
+    flat ``(loss, grads)`` vector is cut into W shards; an all-to-all gives each rank every
+    node's partial sum of its shard, it finishes the tree over them (:func:`finish_tree`),
+    and an all-gather brings the shards back: about 2x the gradient's bytes through each
+    rank, where gathering every rank's partials whole moves W x. ``ordered_allgather``: that
+    older path (the same bits), for comparison. ``all_reduce``: one all-reduce SUM, as
+    plain DDP does (NCCL's order: repeatable, but the bits depend on W)."""
 
     def __init__(self, world: World, reduction: str) -> None:
         self.world, self.reduction = world, reduction
 
     def __call__(
-        self, loss: torch.Tensor, grads: list[torch.Tensor], extras: list[list[torch.Tensor]]
+        self, partials: list[Partial], extras: list[list[torch.Tensor]]
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[list[torch.Tensor]]]:
         w = self.world.size
+        k = len(extras) * w  # extras: one list per micro-batch of this rank's share
+        nodes = [canonical_nodes(r * len(extras), (r + 1) * len(extras), k) for r in range(w)]
         extra_flat = [t for mb in extras for t in mb]
+        gathered = self._gather(extra_flat) if extra_flat else []
+        regrouped = _regroup(gathered, extras, w)
         if self.reduction == "all_reduce":
+            loss, grads = partials[0]
+            for other in partials[1:]:  # the rank's own nodes, then NCCL's order
+                loss, grads = add_partials((loss, grads), other)
             summed = [loss.reshape(1), *grads]
             for flat, views in _buckets(summed):
                 if flat.is_cuda and not uses_nccl(self.world):  # gloo: through the CPU
@@ -109,23 +148,96 @@ class Reducer:
                 else:
                     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
                 _unflatten(flat, views)
-            gathered = self._gather(extra_flat) if extra_flat else []
-            return summed[0].reshape(()), summed[1:], _regroup(gathered, extras, w)
-        parts = self._gather([loss.reshape(1), *grads, *extra_flat])
-        n = 1 + len(grads)
-
-        def part(r: int) -> Partial:
-            return parts[r][0].reshape(()), list(parts[r][1:n])
-
-        total_loss, total_grads = tree_reduce(0, w, part, add_partials)
-        # Own allocations, as autograd's gradients are: views into the gathered buffer sit at
+            return summed[0].reshape(()), summed[1:], regrouped
+        if self.reduction == "ordered_allgather":
+            total = self._gather_then_finish(partials, nodes, k)
+        else:
+            total = self._scatter_then_finish(partials, nodes, k)
+        # Own allocations, as autograd's gradients are: views into a received buffer sit at
         # arbitrary offsets, and CUDA's multi-tensor kernels (the gradient norm's
         # _foreach_norm) take another summation path for unaligned tensors (seen on H200).
         # (empty_like keeps each local gradient's memory format: channels_last stays so)
+        grads = partials[0][1]
         own = [torch.empty_like(g) for g in grads]
-        torch._foreach_copy_(own, total_grads)  # one multi-tensor copy, not one per tensor
-        total_grads = own
-        return total_loss, total_grads, _regroup([p[n:] for p in parts], extras, w)
+        torch._foreach_copy_(own, total[1:])  # one multi-tensor copy, not one per tensor
+        return total[0].reshape(()), own, regrouped
+
+    def _gather_then_finish(
+        self, partials: list[Partial], nodes: list[list[tuple[int, int]]], k: int
+    ) -> list[torch.Tensor]:
+        """``ordered_allgather``: every rank's node partials, whole, to every rank (ranks
+        with fewer nodes send zeros in their place), and the tree finished over them."""
+        n, m = 1 + len(partials[0][1]), max(len(ns) for ns in nodes)
+        padding = [
+            (torch.zeros_like(partials[0][0]), [torch.zeros_like(g) for g in partials[0][1]])
+        ]
+        mine = [
+            t
+            for loss, grads in [*partials, *padding * (m - len(partials))]
+            for t in (loss.reshape(1), *grads)
+        ]
+        parts = self._gather(mine)
+        known = {
+            node: (parts[r][j * n].reshape(()), list(parts[r][j * n + 1 : (j + 1) * n]))
+            for r, rank_nodes in enumerate(nodes)
+            for j, node in enumerate(rank_nodes)
+        }
+        loss, grads = finish_tree(k, known, add_partials)
+        return [loss.reshape(1), *grads]
+
+    def _scatter_then_finish(
+        self, partials: list[Partial], nodes: list[list[tuple[int, int]]], k: int
+    ) -> list[torch.Tensor]:
+        """``ordered``: per dtype, the node partials as flat vectors cut into W shards; an
+        all-to-all hands rank d every node's shard d; rank d finishes the tree on its shard
+        (elementwise: the additions of one process, in its order); an all-gather of the
+        finished shards gives every rank the whole."""
+        w, m = self.world.size, max(len(ns) for ns in nodes)
+        first = [partials[0][0].reshape(1), *partials[0][1]]
+        result: list[torch.Tensor | None] = [None] * len(first)
+        for _, index in _flat_by_dtype(first):
+            vectors = [
+                torch.cat([[loss.reshape(1), *grads][i].reshape(-1) for i in index])
+                for loss, grads in partials
+            ]
+            size = vectors[0].numel()
+            shard = -(-size // w)  # ceil: the last shard is padded with zeros
+            send = vectors[0].new_zeros((m, w * shard))
+            for j, v in enumerate(vectors):
+                send[j, :size] = v
+            send = send.view(m, w, shard).transpose(0, 1).contiguous()  # [d, j]: node j, shard d
+            received = torch.empty_like(send)  # [r, j]: rank r's node j, this rank's shard
+            self._all_to_all(received, send)
+            known = {
+                node: received[r, j]
+                for r, rank_nodes in enumerate(nodes)
+                for j, node in enumerate(rank_nodes)
+            }
+            mine = finish_tree(k, known, lambda a, b: a.add_(b))  # a + b, into a's buffer
+            whole = torch.empty((w, shard), dtype=mine.dtype, device=mine.device)
+            self._all_gather(whole, mine.contiguous())
+            flat, offset = whole.view(-1), 0
+            for i in index:
+                numel = first[i].numel()
+                result[i] = flat[offset : offset + numel].view(first[i].shape)
+                offset += numel
+        return result  # type: ignore[return-value]
+
+    def _all_to_all(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
+        if tensor.is_cuda and not uses_nccl(self.world):  # gloo: through the CPU
+            host = torch.empty(out.shape, dtype=out.dtype)
+            dist.all_to_all_single(host, tensor.cpu())
+            out.copy_(host)
+        else:
+            dist.all_to_all_single(out, tensor)
+
+    def _all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
+        if tensor.is_cuda and not uses_nccl(self.world):
+            host = torch.empty(out.shape, dtype=out.dtype)
+            gather_into(host, tensor.cpu())
+            out.copy_(host)
+        else:
+            gather_into(out, tensor)
 
     def _gather(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         """Every rank's ``tensors`` (same shapes and dtypes on every rank), rank by rank."""
@@ -133,12 +245,7 @@ class Reducer:
         result: list[list[torch.Tensor | None]] = [[None] * len(tensors) for _ in range(w)]
         for flat, index in _flat_by_dtype(tensors):
             out = torch.empty((w, flat.numel()), dtype=flat.dtype, device=flat.device)
-            if flat.is_cuda and not uses_nccl(self.world):
-                host = torch.empty(out.shape, dtype=out.dtype)
-                gather_into(host, flat.cpu())
-                out.copy_(host)
-            else:
-                gather_into(out, flat)
+            self._all_gather(out, flat)
             for r in range(w):
                 offset = 0
                 for i in index:

@@ -9,7 +9,7 @@ from contextlib import nullcontext
 import torch
 
 from repro.build import Training
-from repro.reduction import Reducer, add_partials, tree_reduce
+from repro.reduction import Reducer, add_partials, canonical_nodes, tree_reduce
 from repro.rng import seed_forward
 
 
@@ -59,9 +59,14 @@ def train_step(
         grads = torch.autograd.grad(scaler.scale(loss), params, materialize_grads=True)
         return loss.detach(), list(grads)
 
-    loss, grads = tree_reduce(first, first + len(micro_batches), leaf, add_partials)
-    if reducer is not None:
-        loss, grads, recorded = reducer(loss, grads, recorded)
+    if reducer is None:
+        loss, grads = tree_reduce(first, first + len(micro_batches), leaf, add_partials)
+    else:  # this rank's share: the partial sum of each of its canonical nodes, left to right
+        count = len(micro_batches)
+        k = count * reducer.world.size
+        nodes = canonical_nodes(first, first + count, k)
+        partials = [tree_reduce(a, b, leaf, add_partials) for a, b in nodes]
+        loss, grads, recorded = reducer(partials, recorded)
     for p, g in zip(params, grads, strict=True):
         p.grad = g
     scaler.unscale_(training.optimizer)  # a no-op unless fp16
