@@ -469,6 +469,8 @@ def test_resume_compares_the_reduction_and_accepts_checkpoints_from_before_it():
         "dist": {"reduction": "ordered"},
     }
     assert mismatches(before, now, {}, "cpu") == []  # written before dist.* existed
+    now["dist"]["reduction"] = "ordered_allgather"  # the same tree, other collectives
+    assert mismatches(before, now, {}, "cpu") == []
     now["dist"]["reduction"] = "all_reduce"
     assert mismatches(before, now, {}, "cpu") == [
         "dist.reduction: ordered (checkpoint) vs all_reduce (now)"

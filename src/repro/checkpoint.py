@@ -241,6 +241,8 @@ ABSENT_MEANS = {
     "trainer.overfit_batch": False,
     "data.test_fraction": 0.0,  # image_folder, image_mask_folder: no test split
 }
+# Values of a relevant key that give the same bits (mapped to one before comparing).
+SAME_BITS = {"dist.reduction": {"ordered_allgather": "ordered"}}  # one tree, other collectives
 # Relevant-looking keys that cannot change the bits of a resumed run: the NCCL settings only
 # matter to dist.reduction=all_reduce, which is compared itself; filling new tensors with
 # NaN only changes memory that no op reads (strict mode leaves it off: it costs a kernel a
@@ -273,7 +275,8 @@ def mismatches(
         if any(key == r or key.startswith(r + ".") for r in RELEVANT_CONFIG):
             absent = ABSENT_MEANS.get(key, "(absent)")
             a, b = old.get(key, absent), new.get(key, absent)
-            if a != b:
+            same = SAME_BITS.get(key, {})
+            if same.get(a, a) != same.get(b, b):
                 out.append(f"{key}: {a} (checkpoint) vs {b} (now)")
     written_on = torch.device(state.get("device", device)).type  # cuda:1 and cuda are one kind
     if written_on != torch.device(device).type:
