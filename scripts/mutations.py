@@ -104,6 +104,18 @@ MUTATIONS = [
             "test_upsample2x_float32_is_within_rounding_of_pytorchs_and_repeats_bit_exactly",
         ],
     ),
+    Mutation(
+        "scatter-order",
+        "the reduce-scatter finishing each shard by a left fold over the ranks' partial sums",
+        "src/repro/reduction.py",
+        "            mine = finish_tree(k, known, lambda a, b: a.add_(b))",
+        "            mine = list(known.values())[0]\n"
+        "            for v in list(known.values())[1:]:\n"
+        "                mine = mine.add_(v)",
+        [
+            "tests/test_dist.py::test_both_ordered_reductions_over_three_processes_are_the_tree_of_one",
+        ],
+    ),
 ]
 
 
