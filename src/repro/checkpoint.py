@@ -276,7 +276,7 @@ def mismatches(
             absent = ABSENT_MEANS.get(key, "(absent)")
             a, b = old.get(key, absent), new.get(key, absent)
             same = SAME_BITS.get(key, {})
-            if same.get(a, a) != same.get(b, b):
+            if (same.get(a, a) if same else a) != (same.get(b, b) if same else b):
                 out.append(f"{key}: {a} (checkpoint) vs {b} (now)")
     written_on = torch.device(state.get("device", device)).type  # cuda:1 and cuda are one kind
     if written_on != torch.device(device).type:
