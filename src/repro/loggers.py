@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from repro.checkpoint import atomic_write
+from repro.config import flatten
 from repro.errors import ConfigError
 from repro.files import EVAL_FILE, LOGGERS_FILE, METRICS_FILE, finite_or_null
 
@@ -284,15 +285,6 @@ def _code(text: str) -> str:
     return "\n".join("    " + line for line in text.splitlines())
 
 
-def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(node, dict):
-        out: dict[str, Any] = {}
-        for key, value in node.items():
-            out.update(_flat(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: node}
-
-
 class MlflowLogger(Logger):
     """One MLflow run per run directory, in ``tracking_uri`` (default: a SQLite store
     beside the runs, ``mlflow ui --backend-store-uri sqlite:///outputs/mlflow.db``; or a
@@ -357,7 +349,7 @@ class MlflowLogger(Logger):
     def _log_params(self, config: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
-        params = [Param(k, str(v)[:6000]) for k, v in _flat(config).items()]
+        params = [Param(k, str(v)[:6000]) for k, v in flatten(config).items()]
         for i in range(0, len(params), 100):  # MLflow's limit per batch
             self.client.log_batch(self.run_id, params=params[i : i + 100])
 
