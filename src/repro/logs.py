@@ -21,7 +21,7 @@ import torch
 
 from repro.checkpoint import atomic_write
 from repro.files import TRACE_FILE
-from repro.loggers import Loggers
+from repro.loggers import METRICS_FIELDS, Loggers
 from repro.progress import Progress
 from repro.trace import TraceWriter
 
@@ -143,8 +143,7 @@ class TrainingLog:
                 [s, (s - 1) // self.steps_per_epoch, v[0], v[1], lr]
                 for (s, _, _, lr, _), v in zip(self.pending, values, strict=True)
             ]
-            fields = ("step", "epoch", "loss", "grad_norm", "lr")
-            self.loggers.log_steps([dict(zip(fields, r, strict=True)) for r in rows])
+            self.loggers.log_steps([dict(zip(METRICS_FIELDS, r, strict=True)) for r in rows])
             if self.trace:
                 self.held.extend(
                     {"step": s, "epoch": e, "loss": loss, "grad_norm": norm, "lr": lr, **record}
