@@ -102,6 +102,13 @@ def main() -> None:
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        choices=["memory", "lazy"],
+        default=["memory", "lazy"],
+        help="in memory (main process, and workers[0] workers) and/or lazy (each of --workers)",
+    )
     p.add_argument("--on-device", action="store_true", help="add the split kept on the GPU")
     p.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "repro-folders")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks")
@@ -120,12 +127,17 @@ def main() -> None:
             "data.val_fraction=0.05",
             *args.overrides,
         ]
-        cells = [("in memory", 0, ["data.in_memory=true", "loader=single"])]
-        cells += [
-            ("in memory", w, ["data.in_memory=true", "loader=multi", f"loader.num_workers={w}"])
-            for w in args.workers[:1]
-        ]
-        cells += [("lazy", w, ["loader=multi", f"loader.num_workers={w}"]) for w in args.workers]
+        cells = []
+        if "memory" in args.modes:
+            cells += [("in memory", 0, ["data.in_memory=true", "loader=single"])]
+            cells += [
+                ("in memory", w, ["data.in_memory=true", "loader=multi", f"loader.num_workers={w}"])
+                for w in args.workers[:1]
+            ]
+        if "lazy" in args.modes:
+            cells += [
+                ("lazy", w, ["loader=multi", f"loader.num_workers={w}"]) for w in args.workers
+            ]
         if args.on_device:
             cells.append(("on device", 0, ["data.in_memory=true", "loader=device"]))
         runs: dict[int, list[dict]] = {i: [] for i in range(len(cells))}

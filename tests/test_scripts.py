@@ -159,14 +159,17 @@ def test_benchmark_runs_the_lightning_peer_beside_strict(tmp_path):
 
 
 @pytest.mark.e2e
-def test_folder_benchmark_gives_one_digest_for_lazy_and_in_memory(tmp_path):
-    """A folder of PNG and JPEG files of varied sizes, read up front (main process and a
-    worker) and per sample (a worker): one weights digest, and the memory and speed rows."""
+def test_folder_benchmark_writes_the_lazy_row(tmp_path):
+    """A folder of PNG and JPEG files of varied sizes, read per sample by a worker: the
+    memory, speed and digest row (lazy and in memory giving one digest is test_data's,
+    in process; one train.py process here keeps the CI budget)."""
     pytest.importorskip("PIL")
     args = ["--sizes", "24", "--workers", "1", "--steps", "4", "--image-size", "16"]
     run_script(
         "folder_benchmark.py",
         *args,
+        "--modes",
+        "lazy",
         "--root",
         str(tmp_path / "folders"),
         "--out",
@@ -179,10 +182,9 @@ def test_folder_benchmark_gives_one_digest_for_lazy_and_in_memory(tmp_path):
     files = sorted(p.suffix for p in (tmp_path / "folders" / "images-24-16").glob("class*/*"))
     assert set(files) == {".jpg", ".png"}
     (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("folder-*.json")]
-    rows = [(r["mode"], r["workers"]) for r in record["rows"]]
-    assert rows == [("in memory", 0), ("in memory", 1), ("lazy", 1)]
-    assert len({w for r in record["rows"] for w in r["weights"]}) == 1
-    assert all(r["main_mib"] > 0 and r["images_per_second"] > 0 for r in record["rows"])
+    (row,) = record["rows"]
+    assert (row["mode"], row["workers"], len(row["weights"])) == ("lazy", 1, 1)
+    assert row["main_mib"] > 0 and row["images_per_second"] > 0 and 0 <= row["loader_wait"] < 1
     assert "| 24 | lazy | 1 |" in next(tmp_path.glob("folder-*.md")).read_text()
 
 
