@@ -3,13 +3,17 @@
 
     python scripts/profile_step.py -- model=resnet18 trainer.batch_size=256 amp=on
     python scripts/profile_step.py --nproc 2 -- device=cuda model=resnet18 ...   # torchrun
+    python scripts/profile_step.py --fake-world 2 -- device=cuda model=resnet18 ...  # 1 GPU
 
 Runs ``repro.loop.train`` with the given overrides (the same config train.py composes) for
 ``--wait + --warmup + --active + 1`` steps and profiles the ``--active`` steady steps (no
 evaluation, checkpoint or traced step falls inside them) on rank 0. Reports, per step: wall
 time (device synchronised at both ends of the window), time the device was busy (kernels
 and copies, summed), kernel launches and host-device synchronisations; then the top
-operators by self CPU time and by self device time. Writes
+operators by self CPU time and by self device time. ``--fake-world W`` runs one process as
+rank 0 of W over torch's fake process group, whose collectives copy locally: the share of
+the micro-batches, the reduction's host and device work and every message of a rank, without
+the wire or the wait for peers (a rank's own cost, on a machine with one GPU). Writes
 ``<out>/profile-<label>-<date>-<gpu or cpu>.md`` (``--trace`` adds a Chrome trace, large).
 """
 
@@ -39,6 +43,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--wait", type=int, default=10, help="steps before the profiler starts")
     p.add_argument("--warmup", type=int, default=5, help="profiler warm-up steps")
     p.add_argument("--active", type=int, default=10, help="steps profiled")
+    p.add_argument(
+        "--fake-world",
+        type=int,
+        default=0,
+        metavar="W",
+        help="one process as rank 0 of W, collectives copied locally (no wire, no peers)",
+    )
     p.add_argument("--top", type=int, default=25, help="operators listed per table")
     p.add_argument("--label", default="run", help="goes into the file name")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks")
@@ -56,6 +67,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
             p.error(f"--{name} must be at least 1")
     if args.reference and args.nproc > 1:
         p.error("--reference profiles one process (the hand-written loop has no torchrun)")
+    if args.fake_world and (args.nproc > 1 or args.reference or args.fake_world < 2):
+        p.error("--fake-world W (W >= 2) is one process: not with --nproc or --reference")
     if args.wait < 0 or args.warmup < 1:
         p.error("--wait must be 0 or more and --warmup 1 or more (the profiler's start-up)")
     return args
@@ -69,6 +82,8 @@ def launch(args: argparse.Namespace) -> int:
     # the arguments travel in the environment: torchrun would parse options after the script
     env = {**os.environ, CHILD: json.dumps([command_line(), sys.argv[1:]])}
     env.setdefault("NCCL_NVLS_ENABLE", "0")
+    if args.fake_world:  # what torchrun would set for rank 0
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(args.fake_world))
     return subprocess.run([*cmd, str(Path(__file__).resolve())], env=env).returncode
 
 
@@ -123,6 +138,13 @@ def profile(args: argparse.Namespace) -> None:
         wall_ms = (marks[last] - marks[first]) * 1e3 / args.active
         report(args, prof, environment(), wall_ms, overrides, 1)
         return
+    if args.fake_world:  # joined here, so repro.dist.init finds the group and keeps it
+        import torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.fake_world)
+        # the NCCL settings repro.dist.init puts in place (strict checks them), unread here
+        os.environ.update({str(k): str(v) for k, v in cfg.determinism.nccl_env.items()})
     with tempfile.TemporaryDirectory() as tmp:
         if world.main:
             prof.start()
@@ -165,10 +187,15 @@ def report(args, prof, env: dict, wall_ms: float, overrides: list[str], nproc: i
         / n
     )
     cpu_top = sorted(host, key=lambda e: e.self_cpu_time_total, reverse=True)[: args.top]
+    ranges = sorted(
+        (e for e in host if e.key.startswith(("repro.", "Optimizer.step"))),
+        key=lambda e: e.cpu_time_total,
+        reverse=True,
+    )
     dev_top = sorted(device, key=device_us, reverse=True)[: args.top]
 
-    def table(rows, value, unit_total) -> list[str]:
-        lines = ["| operator | calls/step | self ms/step | share |", "|---|---|---|---|"]
+    def table(rows, value, unit_total, what="self ms/step", share="share") -> list[str]:
+        lines = [f"| operator | calls/step | {what} | {share} |", "|---|---|---|---|"]
         for e in rows:
             v = value(e)
             if v <= 0:
@@ -180,6 +207,9 @@ def report(args, prof, env: dict, wall_ms: float, overrides: list[str], nproc: i
         return lines
 
     cpu_total = sum(e.self_cpu_time_total for e in host) or 1.0
+    processes = f"{nproc} process(es)"
+    if args.fake_world:
+        processes = f"1 process as rank 0 of {nproc} (fake process group: no wire, no peers)"
     dev_total = sum(device_us(e) for e in device) or 1.0
     text = "\n".join(
         [
@@ -187,7 +217,7 @@ def report(args, prof, env: dict, wall_ms: float, overrides: list[str], nproc: i
             "",
             f"`{json.loads(os.environ[CHILD])[0]}`",
             "",
-            f"{environment_line(env)}; {nproc} process(es), rank 0 profiled. Steps "
+            f"{environment_line(env)}; {processes}, rank 0 profiled. Steps "
             f"{args.wait + args.warmup + 1}–{args.wait + args.warmup + n} of "
             f"`{' '.join(overrides)}`.",
             "",
@@ -206,6 +236,13 @@ def report(args, prof, env: dict, wall_ms: float, overrides: list[str], nproc: i
                 else []
             ),
             "",
+            "## The step's named ranges",
+            "",
+            "Host time inside each `repro.*` range of `repro.step`/`repro.loop`, the operators "
+            "it ran included (`repro.wait_finite`: the host waiting for the device).",
+            "",
+            *table(ranges, lambda e: e.cpu_time_total, wall_ms * 1e3 * n, "ms/step", "of the step"),
+            "",
             "## Top operators by self CPU time",
             "",
             "`ProfilerStep*`'s self time is the host's time outside any operator (Python).",
@@ -221,7 +258,8 @@ def report(args, prof, env: dict, wall_ms: float, overrides: list[str], nproc: i
     text += "\n"
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = result_stem(f"profile-{args.label}", today(), env, devices=nproc)
+    devices = 1 if args.fake_world else nproc  # the file name says what ran: one GPU
+    stem = result_stem(f"profile-{args.label}", today(), env, devices=devices)
     (args.out / f"{stem}.md").write_text(text)
     if args.trace:
         prof.export_chrome_trace(str(args.out / f"{stem}.trace.json"))

@@ -456,7 +456,8 @@ def test_running_stats_leave_the_buffers_alone_during_the_forward():
     with stats.capture() as recorded:
         model(torch.randn(8, 3, 6, 6))
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-    mean, var = recorded
+    (flat,) = recorded  # one flat tensor per dtype: the layers' means, then their variances
+    mean, var = flat.split(4)
     assert mean.abs().sum() > 0 and var.abs().sum() > 0  # the batch's, not the zeros
     stats.update([recorded])
     assert not torch.equal(model[1].running_mean, before["1.running_mean"])
@@ -497,3 +498,29 @@ def test_resume_ignores_the_nan_fill_but_not_the_rest_of_determinism():
     assert mismatches(before, config(False, deterministic=False), {}, "cpu") == [
         "determinism.deterministic_algorithms: True (checkpoint) vs False (now)"
     ]
+
+
+def test_the_ranks_compare_each_digest_at_the_next_digest_step(monkeypatch):
+    """Under torchrun the weights are hashed in the background, and the ranks compare a
+    digest step's digest at the next digest step (the last step's at once): each comparison
+    names the step whose weights it hashed, and hashes those weights, not later ones."""
+    import repro.trace
+
+    compared: list[tuple[str, int]] = []
+    monkeypatch.setattr(
+        repro.trace, "check_same", lambda digest, world, what, step: compared.append((digest, step))
+    )
+    model = nn.Linear(3, 2)
+    tracer = repro.trace.StepTracer(True, every=2, max_steps=5, world=World(0, 2))
+    expected = {}
+    try:
+        for done in range(1, 6):
+            with torch.no_grad():
+                model.weight.add_(1.0)  # the step's update
+            expected[done] = repro.trace.state_dict_sha256(model.state_dict())
+            record = tracer.state(done, model)
+            assert [s for _, s in compared] == {1: [], 2: [], 3: [], 4: [2], 5: [2, 4, 5]}[done]
+        assert compared == [(expected[2], 2), (expected[4], 4), (expected[5], 5)]
+        assert record["weights_sha256"] == expected[5] and record["final"]
+    finally:
+        tracer.close()

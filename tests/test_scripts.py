@@ -79,33 +79,30 @@ def test_dist_benchmark_compares_reductions_and_ddp(tmp_path):
 
 
 @pytest.mark.e2e
-def test_profile_step_reports_where_a_steps_time_goes(tmp_path):
+def test_profile_step_reports_where_a_steps_time_goes_as_rank_0_of_2(tmp_path):
+    """--fake-world 2: one process is rank 0 of 2 (torch's fake process group), with its
+    share of the micro-batches and the reduction between the ranks."""
     out = run_script(
         "profile_step.py",
-        "--wait",
-        "1",
-        "--warmup",
-        "1",
-        "--active",
-        "2",
-        "--label",
-        "tiny",
-        "--out",
-        str(tmp_path),
-        "--",
-        "trainer.batch_size=32",
+        *("--wait", "1", "--warmup", "1", "--active", "2", "--fake-world", "2"),
+        *("--label", "tiny", "--out", str(tmp_path), "--"),
+        "trainer.batch_size=64",
         "trainer.micro_batch_size=16",
     )
     (report,) = tmp_path.glob("profile-tiny-*.md")
     text = report.read_text()
     assert text in out.stdout
+    assert "1 process as rank 0 of 2" in text
     wall = float(text.split("wall time per step under the profiler: **")[1].split(" ms")[0])
     assert wall > 0
     assert "device busy" not in text  # no device on a CPU: no device lines
     # the profiled steps are 3 and 4 of 5 (the last, traced step is left out)
     assert "Steps 3–4 of" in text and "trainer.max_steps=5" in text
-    # two micro-batches a step, each a forward and a backward through the 5 convolutions
+    # rank 0's two micro-batches of 4 a step, each a forward and a backward through the 5
+    # convolutions; the step's named ranges; the ranks' reduction once a step
     assert "| `aten::convolution_backward` | 10 |" in text
+    assert "| `repro.forward` | 2 |" in text and "| `repro.backward` | 2 |" in text
+    assert "| `repro.reduce` | 1 |" in text
 
 
 @pytest.mark.e2e

@@ -240,8 +240,15 @@ def gather_into(out: torch.Tensor, tensor: torch.Tensor) -> None:
 
 
 def uses_nccl(world: World) -> bool:
-    """Does the process group move CUDA tensors itself (NCCL), or via the CPU (gloo)?"""
-    return "nccl" in str(world.backend or "")
+    """Does the process group move CUDA tensors itself (NCCL), or only through the CPU
+    (gloo)? ``world.backend`` is ``nccl``, ``gloo`` or per device, ``cpu:gloo,cuda:nccl``;
+    any CUDA backend but gloo counts (torch's ``fake`` group of ``scripts/profile_step.py
+    --fake-world`` too)."""
+    backend = str(world.backend or "")
+    if ":" not in backend:
+        return backend == "nccl"
+    per_device = dict(part.split(":", 1) for part in backend.split(","))
+    return per_device.get("cuda", "gloo") != "gloo"
 
 
 def join_hydra_run(config: Any, world: World) -> None:

@@ -22,7 +22,7 @@ import torch
 from repro.checkpoint import atomic_write
 from repro.files import TRACE_FILE
 from repro.loggers import METRICS_FIELDS, Loggers
-from repro.progress import Progress
+from repro.progress import Progress, span
 from repro.trace import TraceWriter
 
 log = logging.getLogger("repro")
@@ -135,6 +135,10 @@ class TrainingLog:
     def flush(self, wait: bool = False) -> None:
         """Hand the pending steps' rows to the loggers, and write their trace records up to the first one
         whose state digest the background thread is still hashing (all, with ``wait``)."""
+        with span("repro.log"):
+            self._flush(wait)
+
+    def _flush(self, wait: bool) -> None:
         if self.pending:
             values = torch.stack(
                 [torch.stack([loss, norm.float()]) for _, loss, norm, _, _ in self.pending]

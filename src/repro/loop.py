@@ -58,7 +58,7 @@ from repro.inference import choose_checkpoint, evaluate_checkpoint
 from repro.loggers import Loggers, RunInfo
 from repro.logs import NullLog, TrainingLog
 from repro.preemption import Preemption
-from repro.progress import Throughput
+from repro.progress import Throughput, span
 from repro.reduction import Reducer, check_split, share
 from repro.rundir import (
     ResumePoint,
@@ -274,8 +274,9 @@ def next_step_batches(
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]:
     """The next ``count`` micro-batches as loaded, and normalised on the device (queued
     there, not waited for)."""
-    raw = [next(batches) for _ in range(count)]
-    return raw, [normalize(*b) for b in raw]
+    with span("repro.load"):
+        raw = [next(batches) for _ in range(count)]
+        return raw, [normalize(*b) for b in raw]
 
 
 def due(done: int, every: int, max_steps: int) -> bool:

@@ -15,6 +15,7 @@ from typing import Any
 
 from repro.dist import StopVote, World, barrier
 from repro.errors import Preempted
+from repro.progress import span
 
 log = logging.getLogger("repro")
 
@@ -80,9 +81,10 @@ class Preemption(PreemptionSignals):
         if self.vote is None:
             stop = self.received is not None
         else:  # the vote of the step before
-            stop = self.vote.outcome()
-            if not stop and done < self.max_steps:
-                self.vote.cast(self.received is not None)
+            with span("repro.preemption"):
+                stop = self.vote.outcome()
+                if not stop and done < self.max_steps:
+                    self.vote.cast(self.received is not None)
         return stop and done < self.max_steps
 
     def stop(self, done: int, checkpoint: Path, run_dir: Path) -> None:

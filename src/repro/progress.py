@@ -1,4 +1,6 @@
-"""A one-line progress bar on stderr: shown on a TTY, silent under ``CI=true`` or in a pipe."""
+"""How far and how fast: a one-line progress bar on stderr (shown on a TTY, silent under
+``CI=true`` or in a pipe), the steady throughput, and the named ranges of a step that
+``scripts/profile_step.py`` reports."""
 
 from __future__ import annotations
 
@@ -6,9 +8,17 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
+from torch.autograd.profiler import record_function
+
+
+def span(name: str) -> AbstractContextManager[Any]:
+    """A named range (``repro.<part>``) of the step in ``torch.profiler``'s tables; nothing
+    at all when no profiler runs (the step is bound by host time on GPUs)."""
+    return record_function(name) if torch.autograd._profiler_enabled() else nullcontext()
 
 
 class Progress:

@@ -18,6 +18,7 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from repro.dist import World, gather_into, uses_nccl
 from repro.errors import ConfigError
@@ -125,13 +126,18 @@ class Reducer:
 
     def __init__(self, world: World, reduction: str) -> None:
         self.world, self.reduction = world, reduction
+        self._nodes: dict[int, list[list[tuple[int, int]]]] = {}
+        self._grads: list[torch.Tensor] = []  # the reduced gradients' buffers, kept
 
     def __call__(
         self, partials: list[Partial], extras: list[list[torch.Tensor]]
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[list[torch.Tensor]]]:
-        w = self.world.size
-        k = len(extras) * w  # extras: one list per micro-batch of this rank's share
-        nodes = [canonical_nodes(r * len(extras), (r + 1) * len(extras), k) for r in range(w)]
+        w, count = self.world.size, len(extras)  # extras: one list per micro-batch
+        k = count * w
+        if count not in self._nodes:
+            shares = [(r * count, (r + 1) * count) for r in range(w)]
+            self._nodes[count] = [canonical_nodes(a, b, k) for a, b in shares]
+        nodes = self._nodes[count]
         extra_flat = [t for mb in extras for t in mb]
         gathered = self._gather(extra_flat) if extra_flat else []
         regrouped = _regroup(gathered, extras, w)
@@ -140,14 +146,15 @@ class Reducer:
             for other in partials[1:]:  # the rank's own nodes, then NCCL's order
                 loss, grads = add_partials((loss, grads), other)
             summed = [loss.reshape(1), *grads]
-            for flat, views in _buckets(summed):
+            for flat, index in _flat_by_dtype(summed):
                 if flat.is_cuda and not uses_nccl(self.world):  # gloo: through the CPU
                     host = flat.cpu()
                     dist.all_reduce(host, op=dist.ReduceOp.SUM)
                     flat.copy_(host)
                 else:
                     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-                _unflatten(flat, views)
+                group = [summed[i] for i in index]
+                torch._foreach_copy_(group, _unflatten_dense_tensors(flat, group))
             return summed[0].reshape(()), summed[1:], regrouped
         if self.reduction == "ordered_allgather":
             total = self._gather_then_finish(partials, nodes, k)
@@ -156,11 +163,15 @@ class Reducer:
         # Own allocations, as autograd's gradients are: views into a received buffer sit at
         # arbitrary offsets, and CUDA's multi-tensor kernels (the gradient norm's
         # _foreach_norm) take another summation path for unaligned tensors (seen on H200).
-        # (empty_like keeps each local gradient's memory format: channels_last stays so)
+        # Allocated once (empty_like keeps each local gradient's memory format, so
+        # channels_last stays so) and filled every step by one multi-tensor copy: each
+        # step's gradients are consumed (optimizer step, clipping) before the next one's
+        # reduction writes them.
         grads = partials[0][1]
-        own = [torch.empty_like(g) for g in grads]
-        torch._foreach_copy_(own, total[1:])  # one multi-tensor copy, not one per tensor
-        return total[0].reshape(()), own, regrouped
+        if len(self._grads) != len(grads):
+            self._grads = [torch.empty_like(g) for g in grads]
+        torch._foreach_copy_(self._grads, total[1:])
+        return total[0].reshape(()), list(self._grads), regrouped
 
     def _gather_then_finish(
         self, partials: list[Partial], nodes: list[list[tuple[int, int]]], k: int
@@ -196,15 +207,13 @@ class Reducer:
         first = [partials[0][0].reshape(1), *partials[0][1]]
         result: list[torch.Tensor | None] = [None] * len(first)
         for _, index in _flat_by_dtype(first):
-            vectors = [
-                torch.cat([[loss.reshape(1), *grads][i].reshape(-1) for i in index])
-                for loss, grads in partials
-            ]
-            size = vectors[0].numel()
+            group = [first[i] for i in index]
+            size = sum(t.numel() for t in group)
             shard = -(-size // w)  # ceil: the last shard is padded with zeros
-            send = vectors[0].new_zeros((m, w * shard))
-            for j, v in enumerate(vectors):
-                send[j, :size] = v
+            send = group[0].new_zeros((m, w * shard))
+            for j, (loss, grads) in enumerate(partials):
+                whole = [loss.reshape(1), *grads]
+                send[j, :size] = _flatten_dense_tensors([whole[i] for i in index])
             send = send.view(m, w, shard).transpose(0, 1).contiguous()  # [d, j]: node j, shard d
             received = torch.empty_like(send)  # [r, j]: rank r's node j, this rank's shard
             self._all_to_all(received, send)
@@ -214,13 +223,11 @@ class Reducer:
                 for j, node in enumerate(rank_nodes)
             }
             mine = finish_tree(k, known, lambda a, b: a.add_(b))  # a + b, into a's buffer
-            whole = torch.empty((w, shard), dtype=mine.dtype, device=mine.device)
-            self._all_gather(whole, mine.contiguous())
-            flat, offset = whole.view(-1), 0
-            for i in index:
-                numel = first[i].numel()
-                result[i] = flat[offset : offset + numel].view(first[i].shape)
-                offset += numel
+            gathered = torch.empty((w, shard), dtype=mine.dtype, device=mine.device)
+            self._all_gather(gathered, mine.contiguous())
+            views = _unflatten_dense_tensors(gathered.view(-1)[:size], group)
+            for i, view in zip(index, views, strict=True):
+                result[i] = view
         return result  # type: ignore[return-value]
 
     def _all_to_all(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
@@ -246,32 +253,21 @@ class Reducer:
         for flat, index in _flat_by_dtype(tensors):
             out = torch.empty((w, flat.numel()), dtype=flat.dtype, device=flat.device)
             self._all_gather(out, flat)
+            group = [tensors[i] for i in index]
             for r in range(w):
-                offset = 0
-                for i in index:
-                    t = tensors[i]
-                    result[r][i] = out[r, offset : offset + t.numel()].view(t.shape)
-                    offset += t.numel()
+                for i, view in zip(index, _unflatten_dense_tensors(out[r], group), strict=True):
+                    result[r][i] = view
         return result  # type: ignore[return-value]
 
 
 def _flat_by_dtype(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, list[int]]]:
-    """One flat copy per dtype (a collective moves one buffer, not one per tensor)."""
+    """One flat copy per dtype (a collective moves one buffer, not one per tensor), with
+    the indices of the tensors in it; :func:`_unflatten_dense_tensors` gives them back as
+    views (both loops in C++: the step is bound by host time on GPUs)."""
     groups: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault(t.dtype, []).append(i)
-    return [(torch.cat([tensors[i].reshape(-1) for i in idx]), idx) for idx in groups.values()]
-
-
-def _buckets(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
-    return [(flat, [tensors[i] for i in idx]) for flat, idx in _flat_by_dtype(tensors)]
-
-
-def _unflatten(flat: torch.Tensor, views: list[torch.Tensor]) -> None:
-    offset = 0
-    for t in views:
-        t.copy_(flat[offset : offset + t.numel()].view(t.shape))
-        offset += t.numel()
+    return [(_flatten_dense_tensors([tensors[i] for i in idx]), idx) for idx in groups.values()]
 
 
 def _regroup(

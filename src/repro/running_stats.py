@@ -61,16 +61,17 @@ class RunningStats:
 
     @contextmanager
     def capture(self) -> Iterator[list[torch.Tensor]]:
-        """Around one micro-batch's training forward: yields the list that receives, per
-        layer (in the model's module order, whatever order the forward calls them in), the
-        batch mean and unbiased variance its kernel computed (in the buffers' dtype). Raises
-        if a layer runs twice or not at all: its running statistics could not be
+        """Around one micro-batch's training forward: yields the list that receives the
+        batch means and unbiased variances the layers' kernels computed, as one flat tensor
+        per dtype (the layers' means, then their variances, in the model's module order,
+        whatever order the forward calls them in): few tensors for the ranks to exchange.
+        Raises if a layer runs twice or not at all: its running statistics could not be
         reconciled."""
         recorded: list[torch.Tensor] = []
         if not self.layers:
             yield recorded
             return
-        scratch = self._scratch()
+        scratch, flats = self._scratch()
         saved = []
         for m, (mean, var) in zip(self._norms, scratch, strict=True):
             # the dicts nn.Module.__setattr__ writes to, without its checks: this runs for
@@ -97,24 +98,39 @@ class RunningStats:
                 "training forward; a layer that runs on some micro-batches only cannot have "
                 "its running statistics reconciled in a fixed order."
             )
-        for pair in scratch:
-            recorded += pair
+        recorded += flats
 
-    def _scratch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Zeroed (mean, variance) buffers for every layer: views into one allocation per
-        dtype and device (one fill, not two per layer)."""
+    def _layout(self) -> list[tuple[list[int], list[int]]]:
+        """The layers grouped by their buffers' dtype and device: ``(layer indices, sizes)``
+        per group, the layout of a recorded flat tensor."""
         groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
         for i, m in enumerate(self._norms):
             rm = m.running_mean
             groups.setdefault((rm.dtype, rm.device), []).append(i)
+        return [
+            (idx, [self._norms[i].running_mean.numel() for i in idx]) for idx in groups.values()
+        ]
+
+    def _split(
+        self, flats: list[torch.Tensor], layout: list[tuple[list[int], list[int]]]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (mean, variance): views into the flat tensors of ``layout``."""
         out: list[Any] = [None] * len(self._norms)
-        for (dtype, device), idx in groups.items():
-            sizes = [self._norms[i].running_mean.numel() for i in idx]
-            flat = torch.zeros(2 * sum(sizes), dtype=dtype, device=device)
+        for flat, (idx, sizes) in zip(flats, layout, strict=True):
             views = flat.split(sizes + sizes)
             for j, i in enumerate(idx):
                 out[i] = (views[j], views[len(idx) + j])
         return out
+
+    def _scratch(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
+        """Zeroed (mean, variance) buffers for every layer, views into one allocation per
+        dtype and device (one fill, not two per layer); and those allocations."""
+        layout = self._layout()
+        flats = []
+        for idx, sizes in layout:
+            rm = self._norms[idx[0]].running_mean
+            flats.append(torch.zeros(2 * sum(sizes), dtype=rm.dtype, device=rm.device))
+        return self._split(flats, layout), flats
 
     def _count(self, i: int, module: nn.Module, args: tuple[Any, ...]) -> None:
         ran = self._ran
@@ -145,10 +161,12 @@ class RunningStats:
             else:
                 groups.setdefault((float(m.momentum), m.running_mean.dtype), []).append(i)
         tracked = [m.num_batches_tracked for m in layers]
+        layout = self._layout()
+        sizes = [2 * sum(s) for _, s in layout]
         for recorded in per_micro_batch:
-            means, variances = recorded[::2], recorded[1::2]
-            if len(means) != len(layers):
+            if [t.numel() for t in recorded] != sizes:
                 raise RuntimeError("RunningStats.update: statistics of another model")
+            means, variances = zip(*self._split(recorded, layout), strict=True)
             torch._foreach_add_(tracked, 1)
             for (factor, _dtype), idx in groups.items():
                 buffers = [layers[i].running_mean for i in idx]

@@ -9,6 +9,7 @@ from contextlib import nullcontext
 import torch
 
 from repro.build import Training
+from repro.progress import span
 from repro.reduction import Reducer, add_partials, canonical_nodes, tree_reduce
 from repro.rng import seed_forward
 
@@ -52,11 +53,13 @@ def train_step(
     def leaf(k: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         inputs, targets = micro_batches[k - first]
         seed_forward(device, training.seed, step, k)  # dropout masks keyed by (seed, step, k)
-        with training.precision.autocast(), stats.capture() if stats else nullcontext([]) as bn:
-            outputs = model(inputs)
-        recorded.append(bn)
-        loss = training.task.loss(outputs, targets) / training.batch_size
-        grads = torch.autograd.grad(scaler.scale(loss), params, materialize_grads=True)
+        with span("repro.forward"):
+            with training.precision.autocast(), stats.capture() if stats else nullcontext([]) as bn:
+                outputs = model(inputs)
+            recorded.append(bn)
+            loss = training.task.loss(outputs, targets) / training.batch_size
+        with span("repro.backward"):
+            grads = torch.autograd.grad(scaler.scale(loss), params, materialize_grads=True)
         return loss.detach(), list(grads)
 
     if reducer is None:
@@ -66,7 +69,8 @@ def train_step(
         k = count * reducer.world.size
         nodes = canonical_nodes(first, first + count, k)
         partials = [tree_reduce(a, b, leaf, add_partials) for a, b in nodes]
-        loss, grads, recorded = reducer(partials, recorded)
+        with span("repro.reduce"):
+            loss, grads, recorded = reducer(partials, recorded)
     for p, g in zip(params, grads, strict=True):
         p.grad = g
     scaler.unscale_(training.optimizer)  # a no-op unless fp16
@@ -75,14 +79,17 @@ def train_step(
         finite = torch.isfinite(loss)
         if not scaler.is_enabled():
             finite &= torch.isfinite(grad_norm)
-        if not bool(finite):  # the host synchronisation
+        with span("repro.wait_finite"):  # the host synchronisation
+            finite = bool(finite)
+        if not finite:
             training.optimizer.zero_grad(set_to_none=True)
             raise NotFinite(loss, grad_norm)
     if training.clip_grad_norm is not None:  # torch.nn.utils.clip_grad_norm_'s formula
         coef = torch.clamp(training.clip_grad_norm / (grad_norm + 1e-6), max=1.0)
         torch._foreach_mul_(grads, coef)  # the global norm of the reduced gradients: any W
     if stats:  # after the check: a step that is not applied leaves the statistics alone
-        stats.update(recorded)
+        with span("repro.running_stats"):
+            stats.update(recorded)
     scaler.step(training.optimizer)
     scaler.update()
     training.optimizer.zero_grad(set_to_none=True)

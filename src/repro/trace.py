@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from repro.dist import World, all_gather_cpu, check_same
+from repro.progress import span
 
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:
@@ -159,13 +160,15 @@ class StepTracer:
 
     Traced steps (the first, every ``trainer.trace_every``-th and the last) get the digests
     of the step's inputs and labels over all K micro-batches; every ``trace_every``-th and
-    the last step also the state digests after its update (hashed in the background on one
-    process; at once where the ranks compare them, and at the last step)."""
+    the last step also the state digests after its update, hashed in the background but at
+    the last step. Under torchrun the ranks compare each digest at the next digest step
+    (every rank reaches it at once), and the last step's at once."""
 
     def __init__(self, enabled: bool, every: int, max_steps: int, world: World) -> None:
         self.enabled, self.every, self.max_steps, self.world = enabled, every, max_steps, world
         self.background = BackgroundDigests()
         self.final_weights: str | None = None  # the last step's weights_sha256, when traced
+        self._unchecked: tuple[int, Future[tuple[dict[str, str], str]]] | None = None
 
     def _periodic(self, done: int) -> bool:
         return done == self.max_steps or bool(self.every and done % self.every == 0)
@@ -174,27 +177,41 @@ class StepTracer:
         """``{"batch": {"inputs": ..., "labels": ...}}`` on traced steps (rank 0's only)."""
         if not (self.enabled and (done == 1 or self._periodic(done))):
             return {}
-        images = all_gather_cpu(torch.stack([b[0] for b in raw]).cpu(), self.world).flatten(0, 1)
-        labels = all_gather_cpu(torch.stack([b[1] for b in raw]).cpu(), self.world).flatten(0, 1)
-        if not self.world.main:
-            return {"batch": None}
-        return {"batch": {"inputs": tensors_sha256(*images), "labels": tensors_sha256(*labels)}}
+        with span("repro.trace"):
+            images = torch.stack([b[0] for b in raw]).cpu()
+            labels = torch.stack([b[1] for b in raw]).cpu()
+            images = all_gather_cpu(images, self.world).flatten(0, 1)
+            labels = all_gather_cpu(labels, self.world).flatten(0, 1)
+            if not self.world.main:
+                return {"batch": None}
+            return {"batch": {"inputs": tensors_sha256(*images), "labels": tensors_sha256(*labels)}}
 
     def state(self, done: int, model: torch.nn.Module) -> dict[str, Any]:
         """The state digests after step ``done`` on digest steps; ``"final": true`` on the
         last step."""
         record: dict[str, Any] = {}
         if self.enabled and self._periodic(done):
-            if self.world.distributed or done == self.max_steps:  # compared, or needed, now
-                record["tensors"], record["weights_sha256"] = state_digests(model.state_dict())
-                check_same(record["weights_sha256"], self.world, "weights", done)
-            else:  # hashed in the background; written (in this place) at a later flush
-                record["tensors"] = self.background.submit(model.state_dict())
-                record["weights_sha256"] = None
+            with span("repro.trace"):
+                record.update(self._digests(done, model))
         if done == self.max_steps:
             record["final"] = True
             self.final_weights = record.get("weights_sha256")
         return record
+
+    def _digests(self, done: int, model: torch.nn.Module) -> dict[str, Any]:
+        if self._unchecked is not None:  # the ranks' digests of the digest step before
+            step, digest = self._unchecked
+            self._unchecked = None
+            check_same(digest.result()[1], self.world, "weights", step)
+        if done == self.max_steps:  # needed now (summary.json)
+            tensors, whole = state_digests(model.state_dict())
+            check_same(whole, self.world, "weights", done)
+            return {"tensors": tensors, "weights_sha256": whole}
+        # hashed in the background; written (in this place) at a later flush
+        digest = self.background.submit(model.state_dict())
+        if self.world.distributed:
+            self._unchecked = (done, digest)
+        return {"tensors": digest, "weights_sha256": None}
 
     def close(self) -> None:
         self.background.close()
