@@ -8,7 +8,8 @@
 #
 # Parts: tests (pytest -m 'cuda or lightning'), drift (scripts/drift_demo.py), bench
 # (scripts/benchmark.py, --lightning where Lightning is installed),
-# dist (scripts/dist_benchmark.py --ddp on 1, 2 [, 4] GPUs: ResNet-18 preset at batch 256, bf16,
+# dist (scripts/dist_benchmark.py --ddp on 1, 2 [, 4] GPUs, the reduce-scatter, the older
+# all-gather path (the same bits) and a plain all-reduce: ResNet-18 preset at batch 256, bf16,
 # then the default ConvNet at batch 128; 6 loader workers a rank). PY picks the interpreter (default: python3).
 # Exit status: 1 if any part failed (the others still run).
 set -uo pipefail
@@ -20,7 +21,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --out) out=$2; shift 2 ;;
     tests|drift|bench|dist) parts+=("$1"); shift ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown part '$1' (tests, drift, bench, dist, --out DIR)" >&2; exit 2 ;;
   esac
 done
@@ -57,11 +58,11 @@ run_part() {  # name, command...
         sizes="1 2"; [ "$ngpu" -ge 4 ] && sizes="1 2 4"
         # shellcheck disable=SC2086
         run_part dist-resnet18 "$PY" scripts/dist_benchmark.py --ddp --world-sizes $sizes \
-          --steps 200 --label resnet18 --out "$out" -- device=cuda model=resnet18 trainer.batch_size=256 \
+          --reductions ordered ordered_allgather all_reduce --steps 200 --label resnet18 --out "$out" -- device=cuda model=resnet18 trainer.batch_size=256 \
           trainer.micro_batch_size=64 amp=on loader=multi loader.num_workers=6
         # shellcheck disable=SC2086
         run_part dist-convnet "$PY" scripts/dist_benchmark.py --ddp --world-sizes $sizes \
-          --steps 200 --label convnet --out "$out" -- device=cuda trainer.batch_size=128 \
+          --reductions ordered ordered_allgather all_reduce --steps 200 --label convnet --out "$out" -- device=cuda trainer.batch_size=128 \
           trainer.micro_batch_size=32 amp=on loader=multi loader.num_workers=6
         ;;
     esac
