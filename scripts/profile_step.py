@@ -13,7 +13,9 @@ and copies, summed), kernel launches and host-device synchronisations; then the 
 operators by self CPU time and by self device time. ``--fake-world W`` runs one process as
 rank 0 of W over torch's fake process group, whose collectives copy locally: the share of
 the micro-batches, the reduction's host and device work and every message of a rank, without
-the wire or the wait for peers (a rank's own cost, on a machine with one GPU). Writes
+the wire or the wait for peers (a rank's own cost, on a machine with one GPU). It measures
+time, not values: torch 2.11's fake all-to-all leaves its output uninitialized, so should
+such a run stop on a loss that is not finite, add ``trainer.on_nonfinite=continue``. Writes
 ``<out>/profile-<label>-<date>-<gpu or cpu>.md`` (``--trace`` adds a Chrome trace, large).
 """
 
