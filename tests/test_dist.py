@@ -500,27 +500,37 @@ def test_resume_ignores_the_nan_fill_but_not_the_rest_of_determinism():
     ]
 
 
-def test_the_ranks_compare_each_digest_at_the_next_digest_step(monkeypatch):
+def test_the_ranks_compare_each_digest_at_the_next_digest_step_or_checkpoint(monkeypatch):
     """Under torchrun the weights are hashed in the background, and the ranks compare a
-    digest step's digest at the next digest step (the last step's at once): each comparison
-    names the step whose weights it hashed, and hashes those weights, not later ones."""
+    digest step's digest at the next digest step, or before the next checkpoint; a digest
+    step that is a checkpoint step, and the last step, are compared at once. Each
+    comparison names the step whose weights it hashed, and hashes those weights."""
     import repro.trace
 
     compared: list[tuple[str, int]] = []
     monkeypatch.setattr(
         repro.trace, "check_same", lambda digest, world, what, step: compared.append((digest, step))
     )
-    model = nn.Linear(3, 2)
-    tracer = repro.trace.StepTracer(True, every=2, max_steps=5, world=World(0, 2))
-    expected = {}
-    try:
-        for done in range(1, 6):
-            with torch.no_grad():
-                model.weight.add_(1.0)  # the step's update
-            expected[done] = repro.trace.state_dict_sha256(model.state_dict())
-            record = tracer.state(done, model)
-            assert [s for _, s in compared] == {1: [], 2: [], 3: [], 4: [2], 5: [2, 4, 5]}[done]
-        assert compared == [(expected[2], 2), (expected[4], 4), (expected[5], 5)]
-        assert record["weights_sha256"] == expected[5] and record["final"]
-    finally:
-        tracer.close()
+
+    def run(checkpoint_every: int) -> tuple[dict[int, list[int]], dict[int, str], dict]:
+        compared.clear()
+        model = nn.Linear(3, 2)
+        tracer = repro.trace.StepTracer(True, 2, 7, World(0, 2), checkpoint_every)
+        seen, expected = {}, {}
+        try:
+            for done in range(1, 8):
+                with torch.no_grad():
+                    model.weight.add_(1.0)  # the step's update
+                expected[done] = repro.trace.state_dict_sha256(model.state_dict())
+                record = tracer.state(done, model)
+                seen[done] = [s for _, s in compared]
+        finally:
+            tracer.close()
+        assert compared == [(expected[s], s) for s in seen[7]]
+        assert record["weights_sha256"] == expected[7] and record["final"]
+        return seen
+
+    seen = run(checkpoint_every=0)  # digest steps 2, 4, 6 and the last, 7
+    assert seen == {1: [], 2: [], 3: [], 4: [2], 5: [2], 6: [2, 4], 7: [2, 4, 6, 7]}
+    seen = run(checkpoint_every=3)  # checkpoints after 3 and 6: 6 is also a digest step
+    assert seen == {1: [], 2: [], 3: [2], 4: [2], 5: [2], 6: [2, 4, 6], 7: [2, 4, 6, 7]}

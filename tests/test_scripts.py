@@ -98,7 +98,7 @@ def test_profile_step_reports_where_a_steps_time_goes_as_rank_0_of_2(tmp_path):
     assert "device busy" not in text  # no device on a CPU: no device lines
     # the profiled steps are 3 and 4 of 5 (the last, traced step is left out)
     assert "Steps 3–4 of" in text and "trainer.max_steps=5" in text
-    # rank 0's two micro-batches of 4 a step, each a forward and a backward through the 5
+    # rank 0's 2 of the 4 micro-batches of 16 a step, each a forward and a backward through the 5
     # convolutions; the step's named ranges; the ranks' reduction once a step
     assert "| `aten::convolution_backward` | 10 |" in text
     assert "| `repro.forward` | 2 |" in text and "| `repro.backward` | 2 |" in text

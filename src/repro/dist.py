@@ -239,11 +239,11 @@ def gather_into(out: torch.Tensor, tensor: torch.Tensor) -> None:
     gather(out.view(-1), tensor.view(-1))
 
 
-def uses_nccl(world: World) -> bool:
+def moves_cuda_tensors(world: World) -> bool:
     """Does the process group move CUDA tensors itself (NCCL), or only through the CPU
     (gloo)? ``world.backend`` is ``nccl``, ``gloo`` or per device, ``cpu:gloo,cuda:nccl``;
     any CUDA backend but gloo counts (torch's ``fake`` group of ``scripts/profile_step.py
-    --fake-world`` too)."""
+    --fake-world`` too: its collectives copy on the device)."""
     backend = str(world.backend or "")
     if ":" not in backend:
         return backend == "nccl"

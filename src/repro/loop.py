@@ -142,7 +142,7 @@ def _train(
     metric_names = check_task(training, data.val, normalize) if world.main else []
     logs = open_logs(run, training, steps_per_epoch, metric_names, resume)
     checkpoints = open_checkpoints(run, training, steps_per_epoch, resumes, resume)
-    tracer = StepTracer(bool(t.trace), int(t.trace_every), max_steps, world)
+    tracer = StepTracer.for_run(t, world)
     training.model.train()
     with (
         Preemption(world, max_steps) as preemption,
@@ -173,7 +173,7 @@ def _train(
                     training, micro, step, first=first, reducer=reducer, stop_if_not_finite=stop
                 )
             except NotFinite as bad:  # nothing of this step applied: keep the last finite one
-                keep_last_finite(run, checkpoints, logs, step)
+                keep_last_finite(run, checkpoints, logs, tracer, step)
                 logs.step(done, bad.loss, bad.grad_norm, lr, record)
                 logs.flush(wait=True)
                 barrier(world)  # no rank exits (and has torchrun stop rank 0) before the save
@@ -200,8 +200,7 @@ def _train(
             if world.main and due(done, int(t.checkpoint_every), max_steps):
                 checkpoints.save(done, logs)
             if preemption.poll(done):
-                if world.main and checkpoints.last_saved != done:
-                    checkpoints.save(done, logs)
+                save_before_stopping(run, checkpoints, logs, tracer, done)
                 logs.close()  # all on disk before handing the signal over
                 preemption.stop(done, checkpoint_path(run.dir, done), run.dir)
     clock.stop()
@@ -246,10 +245,24 @@ def take_run_dir(
     return answer
 
 
-def keep_last_finite(run: Run, checkpoints: Checkpointer, logs: TrainingLog, step: int) -> None:
-    """Rank 0, when step ``step + 1`` is not finite (on every rank: the loss and norm are the
-    reduced ones): the checkpoint of ``step``, unless there is one (a periodic one, or the
-    one this run resumed from) or nothing was trained yet."""
+def save_before_stopping(
+    run: Run, checkpoints: Checkpointer, logs: TrainingLog, tracer: StepTracer, done: int
+) -> None:
+    """Every rank, when the run stops early (pre-emption) after step ``done``: the ranks'
+    digests not compared yet, then rank 0's checkpoint of ``done`` (unless it has one)."""
+    tracer.check_pending()
+    if run.world.main and checkpoints.last_saved != done:
+        checkpoints.save(done, logs)
+
+
+def keep_last_finite(
+    run: Run, checkpoints: Checkpointer, logs: TrainingLog, tracer: StepTracer, step: int
+) -> None:
+    """Every rank, when step ``step + 1`` is not finite (on every rank: the loss and norm are
+    the reduced ones): the ranks' digests not compared yet; then rank 0 keeps the checkpoint
+    of ``step``, unless there is one (a periodic one, or the one this run resumed from) or
+    nothing was trained yet."""
+    tracer.check_pending()
     kept = checkpoint_path(run.dir, step)
     if run.world.main and step and checkpoints.last_saved != step and not kept.is_file():
         checkpoints.save(step, logs)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from repro.dist import World, gather_into, uses_nccl
+from repro.dist import World, gather_into, moves_cuda_tensors
 from repro.errors import ConfigError
 
 T = TypeVar("T")
@@ -132,6 +132,9 @@ class Reducer:
     def __call__(
         self, partials: list[Partial], extras: list[list[torch.Tensor]]
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[list[torch.Tensor]]]:
+        """``(loss, gradients, extras)`` of the whole step, the same on every rank. The
+        ordered paths' gradients are buffers this reducer keeps: the next call overwrites
+        them (the step consumes them before)."""
         w, count = self.world.size, len(extras)  # extras: one list per micro-batch
         k = count * w
         if count not in self._nodes:
@@ -147,7 +150,7 @@ class Reducer:
                 loss, grads = add_partials((loss, grads), other)
             summed = [loss.reshape(1), *grads]
             for flat, index in _flat_by_dtype(summed):
-                if flat.is_cuda and not uses_nccl(self.world):  # gloo: through the CPU
+                if flat.is_cuda and not moves_cuda_tensors(self.world):  # gloo: through the CPU
                     host = flat.cpu()
                     dist.all_reduce(host, op=dist.ReduceOp.SUM)
                     flat.copy_(host)
@@ -163,15 +166,17 @@ class Reducer:
         # Own allocations, as autograd's gradients are: views into a received buffer sit at
         # arbitrary offsets, and CUDA's multi-tensor kernels (the gradient norm's
         # _foreach_norm) take another summation path for unaligned tensors (seen on H200).
-        # Allocated once (empty_like keeps each local gradient's memory format, so
-        # channels_last stays so) and filled every step by one multi-tensor copy: each
-        # step's gradients are consumed (optimizer step, clipping) before the next one's
-        # reduction writes them.
+        # Allocated once (empty_like keeps each local gradient's layout, so channels_last
+        # stays so; again if a layout changes) and filled every step by one multi-tensor
+        # copy: each step's gradients are consumed (optimizer step, clipping) before the
+        # next one's reduction writes them.
         grads = partials[0][1]
-        if len(self._grads) != len(grads):
+        if not _same_layouts(self._grads, grads):
             self._grads = [torch.empty_like(g) for g in grads]
         torch._foreach_copy_(self._grads, total[1:])
-        return total[0].reshape(()), list(self._grads), regrouped
+        # the loss in its own storage: a view would keep the received buffer (a whole
+        # gradient's size) alive as long as the logs hold the step's loss
+        return total[0].reshape(()).clone(), list(self._grads), regrouped
 
     def _gather_then_finish(
         self, partials: list[Partial], nodes: list[list[tuple[int, int]]], k: int
@@ -206,7 +211,7 @@ class Reducer:
         w, m = self.world.size, max(len(ns) for ns in nodes)
         first = [partials[0][0].reshape(1), *partials[0][1]]
         result: list[torch.Tensor | None] = [None] * len(first)
-        for _, index in _flat_by_dtype(first):
+        for index in _dtype_groups(first):
             group = [first[i] for i in index]
             size = sum(t.numel() for t in group)
             shard = -(-size // w)  # ceil: the last shard is padded with zeros
@@ -231,7 +236,7 @@ class Reducer:
         return result  # type: ignore[return-value]
 
     def _all_to_all(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
-        if tensor.is_cuda and not uses_nccl(self.world):  # gloo: through the CPU
+        if tensor.is_cuda and not moves_cuda_tensors(self.world):  # gloo: through the CPU
             host = torch.empty(out.shape, dtype=out.dtype)
             dist.all_to_all_single(host, tensor.cpu())
             out.copy_(host)
@@ -239,7 +244,7 @@ class Reducer:
             dist.all_to_all_single(out, tensor)
 
     def _all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
-        if tensor.is_cuda and not uses_nccl(self.world):
+        if tensor.is_cuda and not moves_cuda_tensors(self.world):
             host = torch.empty(out.shape, dtype=out.dtype)
             gather_into(host, tensor.cpu())
             out.copy_(host)
@@ -260,14 +265,30 @@ class Reducer:
         return result  # type: ignore[return-value]
 
 
+def _dtype_groups(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """The indices of ``tensors``, grouped by dtype (in order of first appearance)."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
+    return list(groups.values())
+
+
 def _flat_by_dtype(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, list[int]]]:
     """One flat copy per dtype (a collective moves one buffer, not one per tensor), with
     the indices of the tensors in it; :func:`_unflatten_dense_tensors` gives them back as
     views (both loops in C++: the step is bound by host time on GPUs)."""
-    groups: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault(t.dtype, []).append(i)
-    return [(_flatten_dense_tensors([tensors[i] for i in idx]), idx) for idx in groups.values()]
+    groups = _dtype_groups(tensors)
+    return [(_flatten_dense_tensors([tensors[i] for i in idx]), idx) for idx in groups]
+
+
+def _same_layouts(kept: list[torch.Tensor], tensors: list[torch.Tensor]) -> bool:
+    """Can ``kept`` receive ``tensors`` as they are: same shapes, strides, dtypes, device?"""
+    if len(kept) != len(tensors) or (kept and kept[0].device != tensors[0].device):
+        return False
+    return all(
+        a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+        for a, b in zip(kept, tensors, strict=True)
+    )
 
 
 def _regroup(

@@ -12,7 +12,7 @@ leaves the real buffers alone; no second pass over the activations computes them
 After the step, :meth:`RunningStats.update` folds the K micro-batches' statistics into the
 buffers in micro-batch order, with PyTorch's formula (``momentum``, or the cumulative
 average when it is None). Every rank gets all K micro-batches' statistics
-(:class:`repro.dist.Reducer`), so every rank, and a single process, make the same updates in
+(:class:`repro.reduction.Reducer`), so every rank, and a single process, make the same updates in
 the same order.
 """
 
@@ -63,7 +63,7 @@ class RunningStats:
     def capture(self) -> Iterator[list[torch.Tensor]]:
         """Around one micro-batch's training forward: yields the list that receives the
         batch means and unbiased variances the layers' kernels computed, as one flat tensor
-        per dtype (the layers' means, then their variances, in the model's module order,
+        per dtype and device (the layers' means, then their variances, in module order,
         whatever order the forward calls them in): few tensors for the ranks to exchange.
         Raises if a layer runs twice or not at all: its running statistics could not be
         reconciled."""

@@ -160,18 +160,27 @@ class StepTracer:
 
     Traced steps (the first, every ``trainer.trace_every``-th and the last) get the digests
     of the step's inputs and labels over all K micro-batches; every ``trace_every``-th and
-    the last step also the state digests after its update, hashed in the background but at
+    the last step also the state digests after its update, hashed in the background except at
     the last step. Under torchrun the ranks compare each digest at the next digest step
-    (every rank reaches it at once), and the last step's at once."""
+    (every rank reaches it at once), or before a checkpoint (:meth:`check_pending`); a
+    digest step that is also a checkpoint step, and the last step, are hashed and compared
+    at once, so no checkpoint is written from ranks that were seen to differ."""
 
-    def __init__(self, enabled: bool, every: int, max_steps: int, world: World) -> None:
+    def __init__(
+        self, enabled: bool, every: int, max_steps: int, world: World, checkpoint_every: int = 0
+    ) -> None:
         self.enabled, self.every, self.max_steps, self.world = enabled, every, max_steps, world
+        self.checkpoint_every = checkpoint_every
         self.background = BackgroundDigests()
         self.final_weights: str | None = None  # the last step's weights_sha256, when traced
         self._unchecked: tuple[int, Future[tuple[dict[str, str], str]]] | None = None
 
     def _periodic(self, done: int) -> bool:
         return done == self.max_steps or bool(self.every and done % self.every == 0)
+
+    def _checkpoint(self, done: int) -> bool:
+        """Does the loop write a periodic checkpoint after step ``done``?"""
+        return bool(self.checkpoint_every and done % self.checkpoint_every == 0)
 
     def inputs(self, done: int, raw: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
         """``{"batch": {"inputs": ..., "labels": ...}}`` on traced steps (rank 0's only)."""
@@ -193,17 +202,34 @@ class StepTracer:
         if self.enabled and self._periodic(done):
             with span("repro.trace"):
                 record.update(self._digests(done, model))
+        elif self._checkpoint(done):
+            self.check_pending()  # before this step's checkpoint is written
         if done == self.max_steps:
             record["final"] = True
             self.final_weights = record.get("weights_sha256")
         return record
 
-    def _digests(self, done: int, model: torch.nn.Module) -> dict[str, Any]:
-        if self._unchecked is not None:  # the ranks' digests of the digest step before
+    @classmethod
+    def for_run(cls, trainer: Any, world: World) -> StepTracer:
+        """The tracer for the ``trainer`` config group's settings."""
+        t = trainer
+        return cls(
+            bool(t.trace), int(t.trace_every), int(t.max_steps), world, int(t.checkpoint_every)
+        )
+
+    def check_pending(self) -> None:
+        """Under torchrun, on every rank at the same point: compare the ranks' digests of the
+        last digest step not compared yet (raises, naming the ranks and the step, if they
+        differ)."""
+        if self._unchecked is not None:
             step, digest = self._unchecked
             self._unchecked = None
             check_same(digest.result()[1], self.world, "weights", step)
-        if done == self.max_steps:  # needed now (summary.json)
+
+    def _digests(self, done: int, model: torch.nn.Module) -> dict[str, Any]:
+        self.check_pending()  # the digest step before's
+        if done == self.max_steps or (self.world.distributed and self._checkpoint(done)):
+            # needed now (summary.json), or compared before the step's checkpoint is written
             tensors, whole = state_digests(model.state_dict())
             check_same(whole, self.world, "weights", done)
             return {"tensors": tensors, "weights_sha256": whole}
