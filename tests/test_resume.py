@@ -297,19 +297,18 @@ def test_a_run_directory_without_room_for_two_checkpoints_is_refused_before_trai
 
 @pytest.mark.e2e
 def test_a_storm_of_kills_ends_on_the_uninterrupted_bits(straight, tmp_path):
-    """Six SIGKILLs on a seeded schedule, mid-epoch checkpoints; the relaunches alternate
-    between 2 loader workers and none (so both loaders are killed, mid-write included, and
-    each resumes what the other wrote): three after a random number of steps, three while a
-    checkpoint is being written (its temporary file exists: fsync is slowed to 0.3 s in
-    these processes); each relaunch resumes with trainer.resume=auto, and a last resume runs
-    to the end. The uninterrupted run it must match used 2 workers throughout."""
+    """Four SIGKILLs, mid-epoch checkpoints; the relaunches alternate between 2 loader
+    workers and none (so both loaders are killed, mid-write included, and each resumes what
+    the other wrote): two after a seeded random number of steps, two while a checkpoint is
+    being written (its temporary file exists: fsync is slowed to 0.3 s in these processes),
+    one with each loader; each relaunch resumes with trainer.resume=auto, and a last resume
+    runs to the end. The uninterrupted run it must match used 2 workers throughout."""
     import random
 
     run_dir = tmp_path / "run"
     env = user_env(PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "slow_fsync"), str(ROOT)]))
     schedule = random.Random(0)
-    kinds = ["steps", "writing"] * 3
-    schedule.shuffle(kinds)
+    kinds = ["writing", "steps", "steps", "writing"]  # multi, single, multi, single
     caught = {"multi": 0, "single": 0}  # kills while a checkpoint was being written
     for i, kind in enumerate(kinds):
         loader = "multi" if i % 2 == 0 else "single"
