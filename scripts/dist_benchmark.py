@@ -6,13 +6,20 @@ sum), side by side in one run, and whether the bits agree across world sizes.
     python scripts/dist_benchmark.py                                  # CPU, gloo: 1 and 2
     python scripts/dist_benchmark.py --world-sizes 1 2 4 --steps 300 -- model=resnet18 \\
         trainer.batch_size=256 trainer.micro_batch_size=64 amp=on     # GPUs, NCCL
+    python scripts/dist_benchmark.py --fake-world 2 --reductions ordered ordered_no_overlap \\
+        -- device=cuda model=resnet18 ...                             # a rank's cost, 1 GPU
 
-Each world size W > 1 runs both reductions, alternated, ``--repeats`` times
-(``torchrun --standalone --nproc_per_node=W train.py ...``); W = 1 is one plain process.
+Each world size W > 1 runs every reduction of ``--reductions`` (``ordered_no_overlap``:
+``ordered`` with ``dist.overlap=false``, the exchange after the backward pass), alternated,
+``--repeats`` times (``torchrun --standalone --nproc_per_node=W train.py ...``); W = 1 is one
+plain process. ``--fake-world W`` instead runs each reduction in one process as rank 0 of W
+over torch's fake process group (``scripts/fake_rank.py``: the rank's own work, no wire, no
+peers; the weights mean nothing), beside one process training the rank's share alone
+(``trainer.batch_size`` / W): what being a rank costs beyond its micro-batches.
 Throughput is ``steady_images_per_second`` from the run's summary: after the first 10
-steps, to the last update (device synchronised at both ends). Overrides after ``--`` go to
-every run. Writes benchmarks/dist-<date>-<gpu or cpu>.md/.json with the versions and the
-exact command.
+steps, to the last update (device synchronised at both ends); it counts the global batch.
+Overrides after ``--`` go to every run. Writes benchmarks/dist-<date>-<gpu or cpu>.md/.json
+with the versions and the exact command.
 """
 
 from __future__ import annotations
@@ -37,7 +44,20 @@ from _results import (
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def launch(run_dir: Path, world_size: int, reduction: str, steps: int, extra: list[str]) -> dict:
+# the train.py overrides of each --reductions entry
+REDUCTIONS = {
+    "ordered": ["dist.reduction=ordered"],
+    "ordered_no_overlap": ["dist.reduction=ordered", "dist.overlap=false"],
+    "ordered_allgather": ["dist.reduction=ordered_allgather"],
+    "all_reduce": ["dist.reduction=all_reduce"],
+}
+ORDER = {name: i for i, name in enumerate([*REDUCTIONS, "ddp"])}
+
+
+def launch(
+    run_dir: Path, world_size: int, reduction: str, steps: int, extra: list[str], fake: bool
+) -> dict:
+    """One run; ``fake``: one process as rank 0 of ``world_size`` (scripts/fake_rank.py)."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     torchrun.append(f"--nproc_per_node={world_size}")
     env = {**os.environ, "PYTHONHASHSEED": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
@@ -51,27 +71,40 @@ def launch(run_dir: Path, world_size: int, reduction: str, steps: int, extra: li
             "weights": result["weights_sha256"],
             "environment": None,
         }
-    run_checked(
-        [
-            *(torchrun if world_size > 1 else [sys.executable]),
-            str(ROOT / "train.py"),
-            f"hydra.run.dir={run_dir}",
-            f"trainer.max_steps={steps}",
-            f"trainer.eval_every={steps}",
-            "trainer.checkpoint_every=0",
-            "trainer.progress=false",
-            f"dist.reduction={reduction}",
-            *extra,
-        ],
-        ROOT,
-        env,
-    )
+    settings = [
+        f"trainer.max_steps={steps}",
+        f"trainer.eval_every={steps}",
+        "trainer.checkpoint_every=0",
+        "trainer.progress=false",
+        *REDUCTIONS[reduction],
+        *extra,
+    ]
+    if fake and world_size > 1:
+        script = [str(ROOT / "scripts" / "fake_rank.py"), f"--world={world_size}"]
+        run_checked([sys.executable, *script, f"--run-dir={run_dir}", "--", *settings], ROOT, env)
+    else:
+        launcher = torchrun if world_size > 1 else [sys.executable]
+        run_checked(
+            [*launcher, str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", *settings], ROOT, env
+        )
     summary = json.loads((run_dir / "summary.json").read_text())
     return {
         "images_per_second": summary["steady_images_per_second"],
         "weights": summary["weights_sha256"],
         "environment": summary["environment"],
     }
+
+
+def share_overrides(overrides: list[str], world_size: int) -> list[str]:
+    """``overrides`` with ``trainer.batch_size`` divided by ``world_size``: one rank's
+    micro-batches, trained by one process."""
+    from repro.config import compose
+
+    batch = int(compose(overrides, ROOT / "conf").trainer.batch_size)
+    if batch % world_size:
+        sys.exit(f"trainer.batch_size={batch} cannot be shared by {world_size} ranks")
+    kept = [o for o in overrides if not o.startswith("trainer.batch_size=")]
+    return [*kept, f"trainer.batch_size={batch // world_size}"]
 
 
 def main() -> int:
@@ -91,14 +124,27 @@ def main() -> int:
         "--reductions",
         nargs="+",
         default=["ordered", "all_reduce"],
-        choices=["ordered", "ordered_allgather", "all_reduce"],
-        help="dist.reduction values run at every W > 1 (ordered_allgather: the older path)",
+        choices=list(REDUCTIONS),
+        help="what runs at every W > 1: a dist.reduction, or ordered_no_overlap (ordered, "
+        "the exchange after the backward pass); ordered_allgather: the older path",
+    )
+    p.add_argument(
+        "--fake-world",
+        type=int,
+        metavar="W",
+        help="one GPU: each reduction as rank 0 of W over the fake process group, beside one "
+        "process training the rank's share (trainer.batch_size / W); not with --ddp",
     )
     p.add_argument("--label", default="", help="names the result files: dist-LABEL-<date>-...")
     p.add_argument("overrides", nargs="*", help="train.py overrides for every run (after --)")
     args = p.parse_args()
     if args.steps <= 20:
         p.error("--steps must be > 20 (the first 10 are left out)")
+    if args.fake_world is not None:
+        if args.fake_world < 2 or args.ddp:
+            p.error("--fake-world W needs W >= 2, and runs no DDP peer (it needs W processes)")
+        args.world_sizes = [1, args.fake_world]
+    share = share_overrides(args.overrides, args.fake_world) if args.fake_world else None
 
     results: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -109,7 +155,9 @@ def main() -> int:
                 reductions += ["ddp"] if args.ddp else []
                 for reduction in reductions if i % 2 == 0 else reductions[::-1]:
                     n += 1
-                    r = launch(Path(tmp) / f"run{n}", w, reduction, args.steps, args.overrides)
+                    extra = share if share and w == 1 else args.overrides
+                    fake = bool(args.fake_world)
+                    r = launch(Path(tmp) / f"run{n}", w, reduction, args.steps, extra, fake)
                     results.setdefault(f"{w}/{reduction}", []).append(r)
                     print(
                         f"W={w} {reduction:17} {i + 1}/{args.repeats}: "
@@ -132,8 +180,7 @@ def main() -> int:
                 "same_bits_as_first": all(r["weights"] == reference for r in runs),
             }
         )
-    order = {"ordered": 0, "ordered_allgather": 1, "all_reduce": 2, "ddp": 3}
-    rows.sort(key=lambda r: (r["world_size"], order[r["reduction"]]))
+    rows.sort(key=lambda r: (r["world_size"], ORDER[r["reduction"]]))
     median = {(r["world_size"], r["reduction"]): r["median"] for r in rows}
     base = median[(args.world_sizes[0], "ordered")]
 
@@ -150,20 +197,48 @@ def main() -> int:
         f"`{' '.join(args.overrides) or '(defaults)'}`.",
         "",
         "`ddp`: plain DistributedDataParallel in a lean loop (`scripts/ddp_peer.py`: no "
-        "trace, logs or checkpoints; bucketed all-reduce overlapped with the backward pass).",
+        "trace, logs or checkpoints; bucketed all-reduce overlapped with the backward pass). "
+        "`ordered_no_overlap`: `ordered` with `dist.overlap=false` (the exchange after the "
+        "backward pass).",
         "",
-        "| processes | reduction | img/s median (min–max) | ordered / this "
-        f"| vs {args.world_sizes[0]} process(es) | weights | same bits as first row |",
-        "|---|---|---|---|---|---|---|",
     ]
+    fake = args.fake_world
+    if fake:
+        lines += [
+            f"**Fake world**: each W = {fake} row is one process as rank 0 of {fake} over "
+            "torch's fake process group (`scripts/fake_rank.py`: the rank's micro-batches and "
+            "the reduction's work, no wire, no peers; its weights mean nothing). The W = 1 "
+            f"row trains the rank's share alone (`trainer.batch_size` / {fake}: "
+            f"`{' '.join(share or [])}`). Images/s counts the global batch, so "
+            f"'of the share's speed' = img/s / ({fake} × the share's).",
+            "",
+            "| processes | reduction | img/s median (min–max) | ordered / this "
+            "| of the share's speed | weights |",
+            "|---|---|---|---|---|---|",
+        ]
+    else:
+        lines += [
+            "| processes | reduction | img/s median (min–max) | ordered / this "
+            f"| vs {args.world_sizes[0]} process(es) | weights | same bits as first row |",
+            "|---|---|---|---|---|---|---|",
+        ]
     for r in rows:
         w = r["world_size"]
         ratio = f"{median[(w, 'ordered')] / r['median']:.3f}" if r["reduction"] != "ordered" else ""
         ips = r["images_per_second"]
+        digests = ", ".join(d[:12] for d in r["weights"])
+        if fake:
+            who = f"rank 0 of {w} (fake)" if w > 1 else "1 (the share)"
+            how = r["reduction"] if w > 1 else "(one process)"
+            speed = r["median"] / (w * base) if w > 1 else 1.0
+            lines.append(
+                f"| {who} | {how} | {r['median']:.0f} ({min(ips):.0f}–{max(ips):.0f}) "
+                f"| {ratio} | {speed:.2f} | {digests} |"
+            )
+            continue
         lines.append(
             f"| {w} | {r['reduction']} | {r['median']:.0f} ({min(ips):.0f}–{max(ips):.0f}) | "
-            f"{ratio} | {r['median'] / base:.2f}× | "
-            f"{', '.join(d[:12] for d in r['weights'])} | "
+            f"{ratio} | {r['median'] / base:.2f}× | {digests} | "
             f"{'yes' if r['same_bits_as_first'] else 'no'} |"
         )
     text = "\n".join(lines) + "\n"
@@ -174,10 +249,13 @@ def main() -> int:
         "steps": args.steps,
         "repeats": args.repeats,
         "overrides": args.overrides,
+        "fake_world": fake,
+        "share_overrides": share,
         "rows": rows,
     }
     kind = f"dist-{args.label}" if args.label else "dist"
-    write_results(args.out, kind, date, env, text, record, devices=max(args.world_sizes))
+    devices = 1 if fake else max(args.world_sizes)  # the file name says what ran: one GPU
+    write_results(args.out, kind, date, env, text, record, devices=devices)
     return 0
 
 

@@ -108,10 +108,21 @@ MUTATIONS = [
         "scatter-order",
         "the reduce-scatter finishing each shard by a left fold over the ranks' partial sums",
         "src/repro/reduction.py",
-        "            mine = finish_tree(k, known, lambda a, b: a.add_(b))",
+        "            mine = finish_tree(ex.k, known, lambda a, b: a.add_(b))",
         "            mine = list(known.values())[0]\n"
         "            for v in list(known.values())[1:]:\n"
         "                mine = mine.add_(v)",
+        [
+            "tests/test_dist.py::test_both_ordered_reductions_over_three_processes_are_the_tree_of_one",
+        ],
+    ),
+    Mutation(
+        "overlap-order",
+        "the overlapped exchange adding the last micro-batch's gradients to its left "
+        "siblings top first (the tree adds the deepest first)",
+        "src/repro/reduction.py",
+        "            for left in reversed(ex.lefts):  # the additions tree_reduce makes",
+        "            for left in ex.lefts:  # the additions tree_reduce makes",
         [
             "tests/test_dist.py::test_both_ordered_reductions_over_three_processes_are_the_tree_of_one",
         ],

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from _results import command_line, environment_line, result_stem, today
+from fake_rank import join_fake_world, rank_zero_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,7 +86,7 @@ def launch(args: argparse.Namespace) -> int:
     env = {**os.environ, CHILD: json.dumps([command_line(), sys.argv[1:]])}
     env.setdefault("NCCL_NVLS_ENABLE", "0")
     if args.fake_world:  # what torchrun would set for rank 0
-        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(args.fake_world))
+        env.update(rank_zero_env(args.fake_world))
     return subprocess.run([*cmd, str(Path(__file__).resolve())], env=env).returncode
 
 
@@ -141,12 +142,7 @@ def profile(args: argparse.Namespace) -> None:
         report(args, prof, environment(), wall_ms, overrides, 1)
         return
     if args.fake_world:  # joined here, so repro.dist.init finds the group and keeps it
-        import torch.distributed as dist
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.fake_world)
-        # the NCCL settings repro.dist.init puts in place (strict checks them), unread here
-        os.environ.update({str(k): str(v) for k, v in cfg.determinism.nccl_env.items()})
+        join_fake_world(cfg)
     with tempfile.TemporaryDirectory() as tmp:
         if world.main:
             prof.start()

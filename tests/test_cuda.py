@@ -132,6 +132,64 @@ def test_sigkill_and_resume_on_cuda_gives_the_uninterrupted_bits(tmp_path):
     )
 
 
+def _overlapped_on_one_gpu(rank: int, path: str, results: str) -> None:
+    """In its own process: NCCL with one rank, the ResNet-18 preset (BatchNorm), bf16,
+    strict, 4 micro-batches a step; 3 steps through the overlapped reduce-scatter (1 MiB
+    buckets: its side stream adds the last micro-batch's gradients to the left siblings'
+    sums while the backward pass goes on) and 3 through the plain tree."""
+    import torch.distributed as tdist
+
+    from repro.build import build_data, build_training
+    from repro.determinism import apply_determinism
+    from repro.dist import World
+    from repro.reduction import Reducer
+    from repro.step import train_step
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    tdist.init_process_group("nccl", init_method=f"file://{path}", rank=0, world_size=1)
+    overrides = ["device=cuda", "experiment=resnet18", "trainer.micro_batch_size=64"]
+    cfg = compose([*overrides, "data.train_size=256", "data.val_size=64"], CONF_DIR)
+    apply_determinism(cfg, device)
+    data = build_data(cfg)
+    weights, losses = {}, {}
+    reducers = {"tree": None, "overlapped": Reducer(World(0, 1, 0, "nccl"), "ordered", bucket_mb=1)}
+    for name, reducer in reducers.items():
+        training = build_training(cfg, data, device)
+        g = torch.Generator().manual_seed(0)
+        losses[name] = []
+        for step in range(3):
+            micro = [
+                (
+                    torch.randn(64, 3, 32, 32, generator=g).to(device),
+                    torch.randint(0, 10, (64,), generator=g).to(device),
+                )
+                for _ in range(4)
+            ]
+            loss, grad_norm = train_step(training, micro, step, reducer=reducer)
+            losses[name].append((float(loss), float(grad_norm)))
+        weights[name] = {k: v.cpu() for k, v in training.model.state_dict().items()}
+    torch.save((weights, losses), results)
+    tdist.destroy_process_group()
+
+
+def test_the_overlapped_reduce_scatter_is_the_tree_on_cuda(tmp_path):
+    """The side stream and the hooks under NCCL on one GPU (one rank: the all-to-all and the
+    all-gather are copies): the same weights, BatchNorm buffers, losses and gradient norms
+    as the tree of one process."""
+    import torch.multiprocessing as mp
+
+    results = tmp_path / "results.pt"
+    mp.spawn(_overlapped_on_one_gpu, args=(str(tmp_path / "rdv"), str(results)), nprocs=1)
+    weights, losses = torch.load(results)
+    assert losses["overlapped"] == losses["tree"]
+    tree, overlapped = weights["tree"], weights["overlapped"]
+    assert tree.keys() == overlapped.keys()
+    assert all(torch.equal(tree[k], overlapped[k]) for k in tree), [
+        k for k in tree if not torch.equal(tree[k], overlapped[k])
+    ]
+
+
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
 

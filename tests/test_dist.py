@@ -298,27 +298,75 @@ def test_canonical_node_sums_then_the_rest_of_the_tree_is_the_tree_over_k():
     )
 
 
+SHAPES = [(7, 71), (5,), (501,)]  # 998 gradient values; the (5,) parameter goes unused
+
+
+def toy_step(k: int):
+    """``(params, forward, backward)`` of a step of ``k`` micro-batches whose gradients are
+    decades-spanning vectors (micro-batch i's are exactly ``decades(k)[i]``: d/dp of
+    ``sum(p * c)`` at ``p = 1``), one parameter unused (its gradient: zeros, and no hook)."""
+    values = decades(k, 497 + 501)
+    params = [torch.ones(shape, requires_grad=True) for shape in SHAPES]
+
+    def forward(i):
+        c = values[i]
+        loss = (params[0] * c[:497].view(7, 71)).sum() + (params[2] * c[497:]).sum()
+        return loss.detach(), loss, [torch.tensor([float(i)])]  # the extras: i itself
+
+    def backward(scaled):
+        return list(torch.autograd.grad(scaled, params, materialize_grads=True))
+
+    return params, forward, backward
+
+
+def toy_tree(k: int):
+    """The single-process tree over :func:`toy_step`'s micro-batches."""
+    _, forward, backward = toy_step(k)
+
+    def leaf(i):
+        loss, scaled, _ = forward(i)
+        return loss, backward(scaled)
+
+    return tree_reduce(0, k, leaf, add_partials)
+
+
+REDUCTIONS = [  # (dist.reduction, overlap, bucket_mb)
+    ("ordered", True, 25.0),  # one bucket (the loss and 998 values)
+    ("ordered", True, 0.001),  # 1 KiB buckets: the loss; (501,); the unused (5,); (7, 71)
+    ("ordered", False, 0.001),
+    ("ordered_allgather", True, 25.0),
+]
+
+
 def _reduce_in_three_processes(rank: int, path: str, results: str) -> None:
-    """One of 3 gloo processes: its canonical nodes' partial sums of 6 decades-spanning
-    leaves (as (loss, grads)), reduced by each ordered path; rank 0 saves the results."""
+    """One of 3 gloo processes: its share of a toy step of K = 6 and K = 12 decades-spanning
+    micro-batches, summed and reduced by each ordered path (twice: the buffers are kept);
+    rank 0 saves the results, with which buckets were launched during the backward pass."""
     import torch.distributed as tdist
 
     from repro.reduction import Reducer
 
     tdist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=3)
-    leaves = decades(6, 999)  # 999 values: 1 loss + 497 + 501; 3 shards of 333
-
-    def leaf(i):
-        x = leaves[i].clone()
-        return x[0], [x[1:498].view(7, 71), x[498:]]
-
-    nodes = canonical_nodes(2 * rank, 2 * rank + 2, 6)
     out = {}
-    for how in ("ordered", "ordered_allgather"):
-        partials = [tree_reduce(a, b, leaf, add_partials) for a, b in nodes]
-        extras = [[torch.tensor([float(2 * rank + j)])] for j in range(2)]
-        loss, grads, regrouped = Reducer(World(rank, 3), how)(partials, extras)
-        out[how] = (loss, grads, [t for mb in regrouped for t in mb])
+    for k in (6, 12):  # K = 12: rank 2 holds [8, 9) and [9, 12), two additions up to leaf 11
+        for how, overlap, bucket_mb in REDUCTIONS:
+            params, forward, backward = toy_step(k)
+            reducer = Reducer(World(rank, 3), how, overlap=overlap, bucket_mb=bucket_mb)
+            during_backward = []
+            launch = reducer._launch
+
+            def recording(ex, bucket, launch=launch, seen=during_backward, reducer=reducer):
+                seen.append((bucket.indices, reducer._exchange is not None))
+                launch(ex, bucket)
+
+            reducer._launch = recording
+            count = k // 3
+            for _ in range(2):
+                loss, grads, regrouped = reducer.reduce_share(
+                    rank * count, count, forward, backward, params
+                )
+            extras = [float(t) for mb in regrouped for t in mb]
+            out[(k, how, overlap, bucket_mb)] = (loss, grads, extras, during_backward)
     if rank == 0:
         torch.save(out, results)
     tdist.destroy_process_group()
@@ -326,24 +374,30 @@ def _reduce_in_three_processes(rank: int, path: str, results: str) -> None:
 
 @pytest.mark.e2e
 def test_both_ordered_reductions_over_three_processes_are_the_tree_of_one(tmp_path):
-    """gloo, 3 processes (shares [0, 2), [2, 4), [4, 6) of K = 6: rank 0 and 1 hold two
-    canonical nodes, rank 2 one): the reduce-scatter and the all-gather give the
-    single-process tree's loss and gradients, bit for bit."""
+    """gloo, 3 processes, K = 6 (shares [0, 2), [2, 4), [4, 6): ranks 0 and 1 hold two
+    canonical nodes, rank 2 one) and K = 12: the reduce-scatter -- overlapped with the
+    backward pass or after it, in one bucket or several -- and the all-gather give the
+    single-process tree's loss and gradients, bit for bit, on decades-spanning values."""
     import torch.multiprocessing as mp
 
     results = tmp_path / "results.pt"
     mp.spawn(_reduce_in_three_processes, args=(str(tmp_path / "rdv"), str(results)), nprocs=3)
-    leaves = decades(6, 999)
-
-    def leaf(i):
-        x = leaves[i].clone()
-        return x[0], [x[1:498].view(7, 71), x[498:]]
-
-    loss, grads = tree_reduce(0, 6, leaf, add_partials)
-    for how, (got_loss, got_grads, got_extras) in torch.load(results).items():
-        assert torch.equal(got_loss, loss), how
-        assert all(torch.equal(a, b) for a, b in zip(got_grads, grads, strict=True)), how
-        assert [float(t) for t in got_extras] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]  # micro-batch order
+    for (k, how, overlap, bucket_mb), (loss, grads, extras, launches) in torch.load(
+        results
+    ).items():
+        case = (k, how, overlap, bucket_mb)
+        one_loss, one_grads = toy_tree(k)
+        assert torch.equal(loss, one_loss), case
+        assert all(torch.equal(a, b) for a, b in zip(grads, one_grads, strict=True)), case
+        assert not grads[1].any()  # the unused parameter's gradient: zeros
+        assert extras == [float(i) for i in range(k)], case  # micro-batch order
+        if how == "ordered" and bucket_mb < 1:
+            # in order: the loss alone at once, (501,) when its hook fires, then the unused
+            # (5,) and (7, 71) after the backward pass (an unused parameter holds the rest)
+            indices = [b for b, _ in launches[:4]]
+            assert indices == [[0], [3], [2], [1]], case
+            armed = [a for _, a in launches[:4]]
+            assert armed == ([True, True, False, False] if overlap else [False] * 4), case
 
 
 def test_running_stats_follow_pytorchs_formula():

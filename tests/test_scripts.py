@@ -79,6 +79,26 @@ def test_dist_benchmark_compares_reductions_and_ddp(tmp_path):
 
 
 @pytest.mark.e2e
+def test_dist_benchmark_measures_a_fake_rank_beside_its_share(tmp_path):
+    """--fake-world 2: rank 0 of 2 in one process (scripts/fake_rank.py), beside one process
+    training the rank's share (batch 64 / 2)."""
+    run_script(
+        *("dist_benchmark.py", "--fake-world", "2", "--steps", "22", "--repeats", "1"),
+        *("--out", str(tmp_path), "--", "trainer.batch_size=64", "trainer.micro_batch_size=16"),
+        *("data.train_size=256", "data.val_size=64", "model.width=8"),
+    )
+    (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("dist-*.json")]
+    assert record["fake_world"] == 2 and record["share_overrides"][-1] == "trainer.batch_size=32"
+    rows = {(r["world_size"], r["reduction"]): r for r in record["rows"]}
+    assert set(rows) == {(1, "ordered"), (2, "ordered"), (2, "all_reduce")}
+    assert all(r["median"] > 0 for r in rows.values())
+    table = next(tmp_path.glob("dist-*-cpu.md")).read_text()  # one device: no "2x" in the name
+    assert (
+        "| 1 (the share) | (one process) |" in table and "| rank 0 of 2 (fake) | ordered |" in table
+    )
+
+
+@pytest.mark.e2e
 def test_profile_step_reports_where_a_steps_time_goes_as_rank_0_of_2(tmp_path):
     """--fake-world 2: one process is rank 0 of 2 (torch's fake process group), with its
     share of the micro-batches and the reduction between the ranks."""

@@ -141,6 +141,10 @@ class DistConfig:
 
     backend: DistBackend = DistBackend.auto
     reduction: Reduction = Reduction.ordered
+    # ordered: exchange each bucket of gradients during the last micro-batch's backward
+    # pass, as soon as they are final (false: after it); the same bits either way
+    overlap: bool = True
+    bucket_mb: float = 25.0  # a bucket's gradient bytes (MiB; the first is at most 1 MiB)
     timeout_s: int = 1800  # a collective waiting longer than this fails the run
 
 
@@ -277,6 +281,8 @@ def _validate_run(cfg: DictConfig) -> None:
         )
     if cfg.dist.timeout_s < 1:
         _fail("dist.timeout_s", cfg.dist.timeout_s, "an integer >= 1 (seconds)")
+    if not cfg.dist.bucket_mb > 0:
+        _fail("dist.bucket_mb", cfg.dist.bucket_mb, "a number > 0 (MiB)")
 
 
 def _validate_trainer(t: DictConfig) -> None:

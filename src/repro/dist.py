@@ -233,10 +233,11 @@ class StopVote:
         return bool(self._flag.item())
 
 
-def gather_into(out: torch.Tensor, tensor: torch.Tensor) -> None:
-    """All-gather ``tensor`` from every rank into ``out`` (rank-major, same size each)."""
+def gather_into(out: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> Any:
+    """All-gather ``tensor`` from every rank into ``out`` (rank-major, same size each); with
+    ``async_op`` the collective's work, in flight."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out.view(-1), tensor.view(-1))
+    return gather(out.view(-1), tensor.view(-1), async_op=async_op)
 
 
 def moves_cuda_tensors(world: World) -> bool:

@@ -137,7 +137,7 @@ def _train(
     loader = build_loader(cfg, data, run.device, start_step=start, shard=(first, count))
     steps_per_epoch = loader.sampler.steps_per_epoch
     normalize = DeviceNormalizer(data, run.device, bool(t.channels_last))
-    reducer = Reducer(world, str(cfg.dist.reduction)) if world.distributed else None
+    reducer = make_reducer(cfg, world)
     describe(run, training, data, count)
     metric_names = check_task(training, data.val, normalize) if world.main else []
     logs = open_logs(run, training, steps_per_epoch, metric_names, resume)
@@ -302,6 +302,14 @@ def micro_batch_share(cfg: DictConfig, world: World) -> tuple[int, int]:
     k = int(cfg.trainer.batch_size) // int(cfg.trainer.micro_batch_size)
     check_split(k, world)
     return share(k, world)
+
+
+def make_reducer(cfg: DictConfig, world: World) -> Reducer | None:
+    """The combination of the ranks' partial sums (``dist.*``); none for one process."""
+    if not world.distributed:
+        return None
+    d = cfg.dist
+    return Reducer(world, str(d.reduction), overlap=bool(d.overlap), bucket_mb=float(d.bucket_mb))
 
 
 def write_run_start(run: Run, report: DeterminismReport, start: int) -> None:

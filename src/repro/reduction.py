@@ -13,8 +13,12 @@ give the same bits, and NCCL's choice of algorithm cannot enter the sum.
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -22,6 +26,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from repro.dist import World, gather_into, moves_cuda_tensors
 from repro.errors import ConfigError
+from repro.progress import span
 
 T = TypeVar("T")
 
@@ -111,46 +116,376 @@ def add_partials(a: Partial, b: Partial) -> Partial:
     return a[0] + b[0], a[1]
 
 
+Forward = Callable[[int], tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]]
+Backward = Callable[[torch.Tensor], list[torch.Tensor]]
+
+FIRST_BUCKET_BYTES = 1 << 20  # as DDP: a small first bucket, so the exchange starts early
+
+
+def left_siblings(lo: int, hi: int, leaf: Callable[[int], Partial]) -> list[Partial]:
+    """The tree sums of the left children on the path from the node ``[lo, hi)`` down to
+    its last leaf ``hi - 1``, top first: the node's sum is ``lefts[0] + (lefts[1] + (... +
+    leaf(hi - 1)))``, the additions :func:`tree_reduce` makes, in its order. Leaves are
+    evaluated in order; the last is left to the caller."""
+    lefts = []
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        lefts.append(tree_reduce(lo, mid, leaf, add_partials))
+        lo = mid
+    return lefts
+
+
+@dataclass(eq=False)
+class _Bucket:
+    """Entries of the flat ``[loss, *grads]`` list exchanged together (one dtype), with the
+    buffers the exchange reuses every step."""
+
+    indices: list[int]
+    size: int  # elements
+    shard: int  # elements of each rank's shard (the last padded with zeros)
+    send: torch.Tensor | None = None  # [d, j]: shard d of this rank's node j
+    stage: torch.Tensor | None = None  # [j, :]: node j whole (ranks with several nodes)
+    received: torch.Tensor | None = None  # [r, j]: this rank's shard of rank r's node j
+    gathered: torch.Tensor | None = None  # [d]: shard d, finished
+    work: Any = None  # the collective in flight
+
+
+@dataclass(eq=False)
+class _Exchange:
+    """One step's reduce-scatter: the rank's finished nodes, the left siblings still to add
+    to the last micro-batch's gradients, and which buckets have gone."""
+
+    done: list[Partial]
+    lefts: list[Partial]
+    nodes: list[list[tuple[int, int]]]
+    k: int
+    buckets: list[_Bucket]
+    bucket_of: list[int]
+    leaf: list[torch.Tensor | None]  # the last micro-batch's [loss node sum, *gradients]
+    missing: list[int]  # per bucket: gradients not yet arrived
+    launched: int = 0  # buckets launched, in order (every rank launches in the same order)
+
+
 class Reducer:
-    """Combine the ranks' partial sums ``(loss, grads)`` of a step -- one per canonical node
-    of the rank's share, left to right -- and their micro-batches' extra tensors (BatchNorm
-    statistics, in micro-batch order): the same result on every rank.
+    """Sum a rank's share of a step -- its canonical nodes, each by :func:`tree_reduce` --
+    and combine the ranks' partial sums ``(loss, grads)`` and their micro-batches' extra
+    tensors (BatchNorm statistics, in micro-batch order): the same result on every rank.
 
-    ``ordered`` (:data:`repro.config.Reduction`): a reduce-scatter in the tree's order. The
-    flat ``(loss, grads)`` vector is cut into W shards; an all-to-all gives each rank every
-    node's partial sum of its shard, it finishes the tree over them (:func:`finish_tree`),
-    and an all-gather brings the shards back: about 2x the gradient's bytes through each
-    rank, where gathering every rank's partials whole moves W x. ``ordered_allgather``: that
-    older path (the same bits), for comparison. ``all_reduce``: one all-reduce SUM, as
-    plain DDP does (NCCL's order: repeatable, but the bits depend on W)."""
+    ``ordered`` (:data:`repro.config.Reduction`): a reduce-scatter in the tree's order, in
+    buckets (``bucket_mb``; the parameters in reverse, roughly the order the backward pass
+    finishes their gradients). For each bucket the flat ``(loss, grads)`` entries are cut
+    into W shards; an all-to-all gives each rank every node's partial sum of its shard, it
+    finishes the tree over them (:func:`finish_tree`), and an all-gather brings the shards
+    back: about 2x the gradient's bytes through each rank, where gathering every rank's
+    partials whole moves W x. With ``overlap`` a bucket goes as soon as the last
+    micro-batch's backward pass has produced its gradients (a hook on each parameter adds
+    them to the left siblings' sums there, on a side stream on GPUs), so the exchange runs
+    during the rest of the backward pass; the additions, and so the bits, are the same.
+    ``ordered_allgather``: the older path (the same bits, after the backward pass), for
+    comparison. ``all_reduce``: one all-reduce SUM, as plain DDP does (NCCL's order:
+    repeatable, but the bits depend on W)."""
 
-    def __init__(self, world: World, reduction: str) -> None:
-        self.world, self.reduction = world, reduction
+    def __init__(
+        self, world: World, reduction: str, *, overlap: bool = True, bucket_mb: float = 25.0
+    ) -> None:
+        self.world, self.reduction, self.overlap = world, reduction, overlap
+        self.bucket_bytes = max(1, int(bucket_mb * 2**20))
         self._nodes: dict[int, list[list[tuple[int, int]]]] = {}
         self._grads: list[torch.Tensor] = []  # the reduced gradients' buffers, kept
+        self._plan: tuple[Any, list[_Bucket], list[int]] | None = None  # (key, buckets, bucket_of)
+        self._hooked: list[torch.Tensor] = []  # the parameters whose gradient hooks are ours
+        self._exchange: _Exchange | None = None  # set during the last micro-batch's backward
+        self._side: torch.cuda.Stream | None = None
 
-    def __call__(
-        self, partials: list[Partial], extras: list[list[torch.Tensor]]
+    def reduce_share(
+        self,
+        first: int,
+        count: int,
+        forward: Forward,
+        backward: Backward,
+        params: list[torch.Tensor],
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[list[torch.Tensor]]]:
-        """``(loss, gradients, extras)`` of the whole step, the same on every rank. The
-        ordered paths' gradients are buffers this reducer keeps: the next call overwrites
-        them (the step consumes them before)."""
-        w, count = self.world.size, len(extras)  # extras: one list per micro-batch
+        """This rank's micro-batches ``first ... first + count - 1`` of the step, summed and
+        combined with the other ranks': ``(loss, gradients, extras)`` of the whole step, the
+        same on every rank. ``forward(k)`` gives micro-batch k's ``(loss, scaled loss,
+        extras)``, ``backward(scaled loss)`` the gradients of ``params``.
+
+        The ordered paths' gradients are buffers this reducer keeps: the next call
+        overwrites them (the step consumes them before)."""
+        w = self.world.size
         k = count * w
         if count not in self._nodes:
             shares = [(r * count, (r + 1) * count) for r in range(w)]
             self._nodes[count] = [canonical_nodes(a, b, k) for a, b in shares]
         nodes = self._nodes[count]
+        *whole, (lo, hi) = nodes[self.world.rank]
+        extras: list[list[torch.Tensor]] = []
+
+        def leaf(i: int) -> Partial:
+            loss, scaled, recorded = forward(i)
+            extras.append(recorded)
+            return loss, backward(scaled)
+
+        done = [tree_reduce(a, b, leaf, add_partials) for a, b in whole]
+        lefts = left_siblings(lo, hi, leaf)
+        loss, scaled, recorded = forward(hi - 1)  # the last micro-batch: its backward below
+        extras.append(recorded)
+        for left in reversed(lefts):  # the loss's additions up the tree, now
+            loss = left[0] + loss
+        if self.reduction == "ordered":
+            return self._reduce_scatter(done, lefts, loss, scaled, backward, params, extras, k)
+        grads = backward(scaled)
+        for left in reversed(lefts):
+            torch._foreach_add_(left[1], grads)
+            grads = left[1]
+        return self._combine([*done, (loss, grads)], extras, nodes, k)
+
+    # ------------------------------------------------------------ ordered: reduce-scatter
+
+    def _reduce_scatter(
+        self,
+        done: list[Partial],
+        lefts: list[Partial],
+        loss: torch.Tensor,
+        scaled: torch.Tensor,
+        backward: Backward,
+        params: list[torch.Tensor],
+        extras: list[list[torch.Tensor]],
+        k: int,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[list[torch.Tensor]]]:
+        nodes = self._nodes[k // self.world.size]
         extra_flat = [t for mb in extras for t in mb]
-        gathered = self._gather(extra_flat) if extra_flat else []
-        regrouped = _regroup(gathered, extras, w)
+        extras_in_flight = self._gather_start(extra_flat)  # during the backward pass
+        device = params[0].device
+        direct = device.type == "cpu" or moves_cuda_tensors(self.world)  # no CPU staging
+        if device.type == "cuda" and direct and self._side is None:
+            self._side = torch.cuda.Stream(device)
+        buckets, bucket_of = self._buckets(loss, params, max(len(ns) for ns in nodes))
+        ex = _Exchange(
+            done=done,
+            lefts=lefts,
+            nodes=nodes,
+            k=k,
+            buckets=buckets,
+            bucket_of=bucket_of,
+            leaf=[loss.reshape(1), *[None] * len(params)],
+            missing=[sum(1 for i in b.indices if i) for b in buckets],
+        )
+        if self.overlap and direct:
+            self._hook(params)
+            self._exchange = ex
+            self._launch_ready(ex)  # a bucket of the loss alone goes now
+        try:
+            grads = backward(scaled)
+        finally:
+            self._exchange = None
+        with span("repro.reduce"):
+            for i, g in enumerate(grads, 1):  # what no hook saw: unused parameters' zeros
+                if ex.leaf[i] is None:
+                    ex.leaf[i] = g
+                    ex.missing[bucket_of[i]] -= 1
+            self._launch_ready(ex)  # the rest, in order
+            if self._side is None:  # CPU (or staged): the second half after the backward
+                for bucket in buckets:
+                    self._finish(ex, bucket)
+            for bucket in buckets:
+                if bucket.work is not None:
+                    bucket.work.wait()  # on GPUs: the compute stream waits, not the host
+                    bucket.work = None
+            if self._side is not None:
+                torch.cuda.current_stream(device).wait_stream(self._side)
+            total: list[torch.Tensor | None] = [None] * len(ex.leaf)
+            for bucket in buckets:
+                assert bucket.gathered is not None
+                flat = bucket.gathered.view(-1)[: bucket.size]
+                views = _unflatten_dense_tensors(flat, [ex.leaf[i] for i in bucket.indices])
+                for i, view in zip(bucket.indices, views, strict=True):
+                    total[i] = view
+            gathered_extras = self._gather_finish(extras_in_flight)
+        # Own allocations, as autograd's gradients are: views into a received buffer sit at
+        # arbitrary offsets, and CUDA's multi-tensor kernels (the gradient norm's
+        # _foreach_norm) take another summation path for unaligned tensors (seen on H200).
+        # Allocated once (empty_like keeps each local gradient's layout, so channels_last
+        # stays so; again if a layout changes) and filled every step by one multi-tensor
+        # copy: each step's gradients are consumed (optimizer step, clipping) before the
+        # next one's reduction writes them.
+        if not _same_layouts(self._grads, grads):
+            self._grads = [torch.empty_like(g) for g in grads]
+        torch._foreach_copy_(self._grads, total[1:])  # type: ignore[arg-type]
+        # the loss in its own storage: a view would keep a bucket's buffer alive as long as
+        # the logs hold the step's loss
+        total_loss = total[0].reshape(()).clone()  # type: ignore[union-attr]
+        return total_loss, list(self._grads), _regroup(gathered_extras, extras, self.world.size)
+
+    def _buckets(
+        self, loss: torch.Tensor, params: list[torch.Tensor], m: int
+    ) -> tuple[list[_Bucket], list[int]]:
+        """The buckets of ``[loss, *grads]`` (made once; again if the parameters change):
+        the loss first (known before the backward pass), then the parameters in reverse;
+        a new bucket at ``bucket_bytes`` (the first at 1 MiB) or a change of dtype."""
+        key = (m, loss.dtype, loss.device, *[(p.dtype, p.numel()) for p in params])
+        if self._plan is not None and self._plan[0] == key:
+            return self._plan[1], self._plan[2]
+        items = [
+            (loss.dtype, 1, loss.element_size()),
+            *[(p.dtype, p.numel(), p.element_size()) for p in params],
+        ]
+        groups: list[list[int]] = []
+        nbytes = 0
+        for i in [0, *range(len(params), 0, -1)]:
+            dtype, numel, itemsize = items[i]
+            limit = min(
+                FIRST_BUCKET_BYTES if len(groups) == 1 else self.bucket_bytes, self.bucket_bytes
+            )
+            if not groups or items[groups[-1][0]][0] != dtype or nbytes + numel * itemsize > limit:
+                groups.append([])
+                nbytes = 0
+            groups[-1].append(i)
+            nbytes += numel * itemsize
+        w = self.world.size
+        buckets = []
+        for indices in groups:
+            size = sum(items[i][1] for i in indices)
+            buckets.append(_Bucket(indices=indices, size=size, shard=-(-size // w)))
+        bucket_of = [0] * len(items)
+        for b, bucket in enumerate(buckets):
+            for i in bucket.indices:
+                bucket_of[i] = b
+        self._plan = (key, buckets, bucket_of)
+        return buckets, bucket_of
+
+    def _hook(self, params: list[torch.Tensor]) -> None:
+        """A hook on each parameter's gradient (registered once): during the last
+        micro-batch's backward pass it hands the gradient to :meth:`_arrived`; otherwise it
+        does nothing."""
+        if len(self._hooked) == len(params) and all(
+            a is b for a, b in zip(self._hooked, params, strict=True)
+        ):
+            return
+        me = weakref.ref(self)
+
+        def arrived(i: int, grad: torch.Tensor) -> None:
+            reducer = me()
+            if reducer is not None and reducer._exchange is not None:
+                reducer._arrived(reducer._exchange, i, grad)
+
+        for i, p in enumerate(params, 1):
+            p.register_hook(functools.partial(arrived, i))
+        self._hooked = list(params)
+
+    def _arrived(self, ex: _Exchange, i: int, grad: torch.Tensor) -> None:
+        if ex.leaf[i] is not None:  # hooked twice (a parameter listed twice): once is enough
+            return
+        ex.leaf[i] = grad
+        ex.missing[ex.bucket_of[i]] -= 1
+        self._launch_ready(ex)
+
+    def _launch_ready(self, ex: _Exchange) -> None:
+        """Launch the buckets whose gradients have all arrived, in bucket order (NCCL needs
+        every rank to issue its collectives in the same order)."""
+        while ex.launched < len(ex.buckets) and ex.missing[ex.launched] == 0:
+            self._launch(ex, ex.buckets[ex.launched])
+            ex.launched += 1
+
+    def _launch(self, ex: _Exchange, bucket: _Bucket) -> None:
+        """The bucket's entries of the rank's node sums, into the send buffer, and the
+        all-to-all. On GPUs this runs on the side stream (after what the compute stream has
+        queued: the gradients) and queues the second half at once; on the CPU the second
+        half waits for the backward pass."""
+        side = self._side
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(side.device))
+        with (
+            torch.cuda.stream(side) if side is not None else nullcontext(),
+            span("repro.reduce.bucket"),
+        ):
+            grads = [i for i in bucket.indices if i]
+            last = [ex.leaf[i] for i in grads]
+            for left in reversed(ex.lefts):  # the additions tree_reduce makes, in its order
+                into = [left[1][i - 1] for i in grads]
+                if into:
+                    torch._foreach_add_(into, last)  # type: ignore[arg-type]
+                last = into
+            mine = dict(zip(grads, last, strict=True))
+            mine[0] = ex.leaf[0]  # the last node's loss (summed before the backward pass)
+            node_items = [
+                [(p[0].reshape(1) if i == 0 else p[1][i - 1]).reshape(-1) for i in bucket.indices]
+                for p in ex.done
+            ]
+            node_items.append([mine[i].reshape(-1) for i in bucket.indices])  # type: ignore[union-attr]
+            self._allocate(bucket, max(len(ns) for ns in ex.nodes), node_items[0][0])
+            assert bucket.send is not None and bucket.received is not None
+            if bucket.stage is None:  # one node a rank: straight into the send buffer
+                torch.cat(node_items[0], out=bucket.send.view(-1)[: bucket.size])
+            else:
+                for j, items in enumerate(node_items):
+                    torch.cat(items, out=bucket.stage[j, : bucket.size])
+                w, m = self.world.size, bucket.stage.shape[0]
+                bucket.send.copy_(bucket.stage.view(m, w, bucket.shard).transpose(0, 1))
+            bucket.work = self._start(dist.all_to_all_single, bucket.received, bucket.send)
+            if side is not None:
+                self._finish(ex, bucket)
+
+    def _finish(self, ex: _Exchange, bucket: _Bucket) -> None:
+        """After the bucket's all-to-all: the rest of the tree over this rank's shard of
+        every node, then the all-gather of the finished shards."""
+        side = self._side
+        with torch.cuda.stream(side) if side is not None else nullcontext():
+            if bucket.work is not None:
+                bucket.work.wait()  # on the side stream: the host goes on
+            assert bucket.received is not None and bucket.gathered is not None
+            known = {
+                node: bucket.received[r, j]
+                for r, rank_nodes in enumerate(ex.nodes)
+                for j, node in enumerate(rank_nodes)
+            }
+            mine = finish_tree(ex.k, known, lambda a, b: a.add_(b))  # a + b, into a's buffer
+            bucket.work = self._start(gather_into, bucket.gathered, mine)
+
+    def _allocate(self, bucket: _Bucket, m: int, like: torch.Tensor) -> None:
+        """The bucket's buffers, once (on the stream that uses them)."""
+        if bucket.send is not None:
+            return
+        w, shard = self.world.size, bucket.shard
+        bucket.send = like.new_zeros((w, m, shard))  # padding stays zero
+        if m > 1:
+            bucket.stage = like.new_zeros((m, w * shard))
+        bucket.received = like.new_empty((w, m, shard))
+        bucket.gathered = like.new_empty((w, shard))
+
+    def _start(
+        self, collective: Callable[..., Any], out: torch.Tensor, tensor: torch.Tensor
+    ) -> Any:
+        """``collective(out, tensor)`` in flight (its work), or done (None) where CUDA
+        tensors must pass through the CPU (gloo)."""
+        if tensor.is_cuda and not moves_cuda_tensors(self.world):
+            host = torch.empty(out.shape, dtype=out.dtype)
+            collective(host, tensor.cpu())
+            out.copy_(host)
+            return None
+        return collective(out, tensor, async_op=True)
+
+    # ------------------------------------------------ the others: after the backward pass
+
+    def _combine(
+        self,
+        partials: list[Partial],
+        extras: list[list[torch.Tensor]],
+        nodes: list[list[tuple[int, int]]],
+        k: int,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[list[torch.Tensor]]]:
+        """``ordered_allgather`` and ``all_reduce``: the node partials, once the backward
+        pass is over."""
+        extra_flat = [t for mb in extras for t in mb]
+        gathered = self._gather_finish(self._gather_start(extra_flat))
+        regrouped = _regroup(gathered, extras, self.world.size)
         if self.reduction == "all_reduce":
             loss, grads = partials[0]
             for other in partials[1:]:  # the rank's own nodes, then NCCL's order
                 loss, grads = add_partials((loss, grads), other)
             summed = [loss.reshape(1), *grads]
             for flat, index in _flat_by_dtype(summed):
-                if flat.is_cuda and not moves_cuda_tensors(self.world):  # gloo: through the CPU
+                if flat.is_cuda and not moves_cuda_tensors(self.world):  # gloo: via the CPU
                     host = flat.cpu()
                     dist.all_reduce(host, op=dist.ReduceOp.SUM)
                     flat.copy_(host)
@@ -159,23 +494,11 @@ class Reducer:
                 group = [summed[i] for i in index]
                 torch._foreach_copy_(group, _unflatten_dense_tensors(flat, group))
             return summed[0].reshape(()), summed[1:], regrouped
-        if self.reduction == "ordered_allgather":
-            total = self._gather_then_finish(partials, nodes, k)
-        else:
-            total = self._scatter_then_finish(partials, nodes, k)
-        # Own allocations, as autograd's gradients are: views into a received buffer sit at
-        # arbitrary offsets, and CUDA's multi-tensor kernels (the gradient norm's
-        # _foreach_norm) take another summation path for unaligned tensors (seen on H200).
-        # Allocated once (empty_like keeps each local gradient's layout, so channels_last
-        # stays so; again if a layout changes) and filled every step by one multi-tensor
-        # copy: each step's gradients are consumed (optimizer step, clipping) before the
-        # next one's reduction writes them.
+        total = self._gather_then_finish(partials, nodes, k)
         grads = partials[0][1]
-        if not _same_layouts(self._grads, grads):
+        if not _same_layouts(self._grads, grads):  # own allocations: see _reduce_scatter
             self._grads = [torch.empty_like(g) for g in grads]
         torch._foreach_copy_(self._grads, total[1:])
-        # the loss in its own storage: a view would keep the received buffer (a whole
-        # gradient's size) alive as long as the logs hold the step's loss
         return total[0].reshape(()).clone(), list(self._grads), regrouped
 
     def _gather_then_finish(
@@ -192,7 +515,7 @@ class Reducer:
             for loss, grads in [*partials, *padding * (m - len(partials))]
             for t in (loss.reshape(1), *grads)
         ]
-        parts = self._gather(mine)
+        parts = self._gather_finish(self._gather_start(mine))
         known = {
             node: (parts[r][j * n].reshape(()), list(parts[r][j * n + 1 : (j + 1) * n]))
             for r, rank_nodes in enumerate(nodes)
@@ -201,63 +524,23 @@ class Reducer:
         loss, grads = finish_tree(k, known, add_partials)
         return [loss.reshape(1), *grads]
 
-    def _scatter_then_finish(
-        self, partials: list[Partial], nodes: list[list[tuple[int, int]]], k: int
-    ) -> list[torch.Tensor]:
-        """``ordered``: per dtype, the node partials as flat vectors cut into W shards; an
-        all-to-all hands rank d every node's shard d; rank d finishes the tree on its shard
-        (elementwise: the additions of one process, in its order); an all-gather of the
-        finished shards gives every rank the whole."""
-        w, m = self.world.size, max(len(ns) for ns in nodes)
-        first = [partials[0][0].reshape(1), *partials[0][1]]
-        result: list[torch.Tensor | None] = [None] * len(first)
-        for index in _dtype_groups(first):
-            group = [first[i] for i in index]
-            size = sum(t.numel() for t in group)
-            shard = -(-size // w)  # ceil: the last shard is padded with zeros
-            send = group[0].new_zeros((m, w * shard))
-            for j, (loss, grads) in enumerate(partials):
-                whole = [loss.reshape(1), *grads]
-                send[j, :size] = _flatten_dense_tensors([whole[i] for i in index])
-            send = send.view(m, w, shard).transpose(0, 1).contiguous()  # [d, j]: node j, shard d
-            received = torch.empty_like(send)  # [r, j]: rank r's node j, this rank's shard
-            self._all_to_all(received, send)
-            known = {
-                node: received[r, j]
-                for r, rank_nodes in enumerate(nodes)
-                for j, node in enumerate(rank_nodes)
-            }
-            mine = finish_tree(k, known, lambda a, b: a.add_(b))  # a + b, into a's buffer
-            gathered = torch.empty((w, shard), dtype=mine.dtype, device=mine.device)
-            self._all_gather(gathered, mine.contiguous())
-            views = _unflatten_dense_tensors(gathered.view(-1)[:size], group)
-            for i, view in zip(index, views, strict=True):
-                result[i] = view
-        return result  # type: ignore[return-value]
-
-    def _all_to_all(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
-        if tensor.is_cuda and not moves_cuda_tensors(self.world):  # gloo: through the CPU
-            host = torch.empty(out.shape, dtype=out.dtype)
-            dist.all_to_all_single(host, tensor.cpu())
-            out.copy_(host)
-        else:
-            dist.all_to_all_single(out, tensor)
-
-    def _all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
-        if tensor.is_cuda and not moves_cuda_tensors(self.world):
-            host = torch.empty(out.shape, dtype=out.dtype)
-            gather_into(host, tensor.cpu())
-            out.copy_(host)
-        else:
-            gather_into(out, tensor)
-
-    def _gather(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-        """Every rank's ``tensors`` (same shapes and dtypes on every rank), rank by rank."""
+    def _gather_start(self, tensors: list[torch.Tensor]) -> Any:
+        """Every rank's ``tensors`` (same shapes and dtypes on every rank), in flight:
+        :meth:`_gather_finish` gives them rank by rank."""
         w = self.world.size
-        result: list[list[torch.Tensor | None]] = [[None] * len(tensors) for _ in range(w)]
+        flights = []
         for flat, index in _flat_by_dtype(tensors):
             out = torch.empty((w, flat.numel()), dtype=flat.dtype, device=flat.device)
-            self._all_gather(out, flat)
+            flights.append((out, index, self._start(gather_into, out, flat), flat))
+        return tensors, flights  # flat stays referenced until the gather is done
+
+    def _gather_finish(self, in_flight: Any) -> list[list[torch.Tensor]]:
+        tensors, flights = in_flight
+        w = self.world.size
+        result: list[list[torch.Tensor | None]] = [[None] * len(tensors) for _ in range(w)]
+        for out, index, work, _ in flights:
+            if work is not None:
+                work.wait()
             group = [tensors[i] for i in index]
             for r in range(w):
                 for i, view in zip(index, _unflatten_dense_tensors(out[r], group), strict=True):

@@ -10,7 +10,7 @@ import torch
 
 from repro.build import Training
 from repro.progress import span
-from repro.reduction import Reducer, add_partials, canonical_nodes, tree_reduce
+from repro.reduction import Reducer, add_partials, tree_reduce
 from repro.rng import seed_forward
 
 
@@ -42,35 +42,41 @@ def train_step(
 
     Each micro-batch's loss is the task's summed loss / B, so the tree sum of the K gradients
     is the gradient of the mean loss over the global batch. Under torchrun this process holds
-    micro-batches ``first, first + 1, ...`` (a whole subtree) and ``reducer`` combines the
-    ranks' partial sums; BatchNorm statistics are folded in afterwards, in micro-batch order
+    micro-batches ``first, first + 1, ...`` and ``reducer`` sums them (the canonical nodes
+    of the tree in that range) and combines the ranks' partial sums; BatchNorm statistics
+    are folded in afterwards, in micro-batch order
     (:class:`repro.running_stats.RunningStats`)."""
     model, scaler, stats = training.model, training.precision.scaler, training.running_stats
     params = [p for p in training.parameters if p.requires_grad]
     device = params[0].device
     recorded: list[list[torch.Tensor]] = []
 
-    def leaf(k: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(k: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """Micro-batch k's loss, the loss to differentiate (scaled under fp16), and its
+        BatchNorm statistics."""
         inputs, targets = micro_batches[k - first]
         seed_forward(device, training.seed, step, k)  # dropout masks keyed by (seed, step, k)
         with span("repro.forward"):
             with training.precision.autocast(), stats.capture() if stats else nullcontext([]) as bn:
                 outputs = model(inputs)
-            recorded.append(bn)
             loss = training.task.loss(outputs, targets) / training.batch_size
+        return loss.detach(), scaler.scale(loss), bn
+
+    def backward(scaled: torch.Tensor) -> list[torch.Tensor]:
         with span("repro.backward"):
-            grads = torch.autograd.grad(scaler.scale(loss), params, materialize_grads=True)
-        return loss.detach(), list(grads)
+            return list(torch.autograd.grad(scaled, params, materialize_grads=True))
+
+    def leaf(k: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        loss, scaled, bn = forward(k)
+        recorded.append(bn)
+        return loss, backward(scaled)
 
     if reducer is None:
         loss, grads = tree_reduce(first, first + len(micro_batches), leaf, add_partials)
-    else:  # this rank's share: the partial sum of each of its canonical nodes, left to right
-        count = len(micro_batches)
-        k = count * reducer.world.size
-        nodes = canonical_nodes(first, first + count, k)
-        partials = [tree_reduce(a, b, leaf, add_partials) for a, b in nodes]
-        with span("repro.reduce"):
-            loss, grads, recorded = reducer(partials, recorded)
+    else:  # this rank's share, its exchange overlapping the last micro-batch's backward
+        loss, grads, recorded = reducer.reduce_share(
+            first, len(micro_batches), forward, backward, params
+        )
     for p, g in zip(params, grads, strict=True):
         p.grad = g
     scaler.unscale_(training.optimizer)  # a no-op unless fp16
