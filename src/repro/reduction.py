@@ -144,7 +144,8 @@ class _Bucket:
     size: int  # elements
     shard: int  # elements of each rank's shard (the last padded with zeros)
     send: torch.Tensor | None = None  # [d, j]: shard d of this rank's node j
-    stage: torch.Tensor | None = None  # [j, :]: node j whole (ranks with several nodes)
+    stage: torch.Tensor | None = None  # [j, :]: node j whole (W not a power of two)
+    pad: torch.Tensor | None = None  # zeros after the entries, to W equal shards
     received: torch.Tensor | None = None  # [r, j]: this rank's shard of rank r's node j
     gathered: torch.Tensor | None = None  # [d]: shard d, finished
     work: Any = None  # the collective in flight
@@ -408,19 +409,17 @@ class Reducer:
                 last = into
             mine = dict(zip(grads, last, strict=True))
             mine[0] = ex.leaf[0]  # the last node's loss (summed before the backward pass)
-            node_items = [
-                [(p[0].reshape(1) if i == 0 else p[1][i - 1]).reshape(-1) for i in bucket.indices]
-                for p in ex.done
-            ]
-            node_items.append([mine[i].reshape(-1) for i in bucket.indices])  # type: ignore[union-attr]
-            self._allocate(bucket, max(len(ns) for ns in ex.nodes), node_items[0][0])
-            assert bucket.send is not None and bucket.received is not None
-            if bucket.stage is None:  # one node a rank: straight into the send buffer
-                torch.cat(node_items[0], out=bucket.send.view(-1)[: bucket.size])
-            else:
-                for j, items in enumerate(node_items):
-                    torch.cat(items, out=bucket.stage[j, : bucket.size])
-                w, m = self.world.size, bucket.stage.shape[0]
+            own = [mine[i] for i in bucket.indices]
+            w, m = self.world.size, max(len(ns) for ns in ex.nodes)
+            self._allocate(bucket, m, own[0])
+            if m == 1:  # one node a rank (W a power of two): flattened, it is the send buffer
+                pad = [bucket.pad] if bucket.pad is not None else []
+                bucket.send = _flatten_dense_tensors([*own, *pad]).view(w, 1, bucket.shard)
+            else:  # [d, j] = shard d of node j; ranks with fewer nodes send zeros for the rest
+                assert bucket.stage is not None and bucket.send is not None
+                nodes = [[_entry(p, i) for i in bucket.indices] for p in ex.done]
+                for j, items in enumerate([*nodes, own]):
+                    bucket.stage[j, : bucket.size].copy_(_flatten_dense_tensors(items))
                 bucket.send.copy_(bucket.stage.view(m, w, bucket.shard).transpose(0, 1))
             bucket.work = self._start(dist.all_to_all_single, bucket.received, bucket.send)
             if side is not None:
@@ -444,12 +443,14 @@ class Reducer:
 
     def _allocate(self, bucket: _Bucket, m: int, like: torch.Tensor) -> None:
         """The bucket's buffers, once (on the stream that uses them)."""
-        if bucket.send is not None:
+        if bucket.received is not None:
             return
         w, shard = self.world.size, bucket.shard
-        bucket.send = like.new_zeros((w, m, shard))  # padding stays zero
+        if m == 1 and w * shard > bucket.size:  # the last shard's padding
+            bucket.pad = like.new_zeros(w * shard - bucket.size)
         if m > 1:
-            bucket.stage = like.new_zeros((m, w * shard))
+            bucket.stage = like.new_zeros((m, w * shard))  # padding stays zero
+            bucket.send = like.new_empty((w, m, shard))
         bucket.received = like.new_empty((w, m, shard))
         bucket.gathered = like.new_empty((w, shard))
 
@@ -546,6 +547,11 @@ class Reducer:
                 for i, view in zip(index, _unflatten_dense_tensors(out[r], group), strict=True):
                     result[r][i] = view
         return result  # type: ignore[return-value]
+
+
+def _entry(partial: Partial, i: int) -> torch.Tensor:
+    """Entry ``i`` of a partial sum's flat ``[loss, *grads]``."""
+    return partial[0].reshape(1) if i == 0 else partial[1][i - 1]
 
 
 def _dtype_groups(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
