@@ -8,9 +8,12 @@
 #
 # Parts: tests (pytest -m 'cuda or lightning'), drift (scripts/drift_demo.py), bench
 # (scripts/benchmark.py, --lightning where Lightning is installed),
-# dist (scripts/dist_benchmark.py --ddp on 1, 2 [, 4] GPUs, the reduce-scatter, the older
-# all-gather path (the same bits) and a plain all-reduce: ResNet-18 preset at batch 256, bf16,
-# then the default ConvNet at batch 128; 6 loader workers a rank). PY picks the interpreter (default: python3).
+# dist (scripts/dist_benchmark.py --ddp on 1, 2 [, 4] GPUs: the reduce-scatter overlapped
+# with the backward pass and after it, the older all-gather path (the same bits) and plain
+# DDP: ResNet-18 preset at batch 256, bf16, then the default ConvNet at batch 128; 6 loader
+# workers a rank; dist-resnet18 or dist-convnet alone: one model, 18 runs on 2 GPUs, an
+# estimated 8 min).
+# PY picks the interpreter (default: python3).
 # Exit status: 1 if any part failed (the others still run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,9 +23,9 @@ parts=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out=$2; shift 2 ;;
-    tests|drift|bench|dist) parts+=("$1"); shift ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
-    *) echo "gpu_check.sh: unknown part '$1' (tests, drift, bench, dist, --out DIR)" >&2; exit 2 ;;
+    tests|drift|bench|dist|dist-resnet18|dist-convnet) parts+=("$1"); shift ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    *) echo "gpu_check.sh: unknown part '$1' (tests, drift, bench, dist[-resnet18|-convnet], --out DIR)" >&2; exit 2 ;;
   esac
 done
 [ ${#parts[@]} -eq 0 ] && parts=(tests drift bench dist)
@@ -53,17 +56,23 @@ run_part() {  # name, command...
       bench)  # with the Lightning peer row where Lightning is installed (the GPU image has it)
         peer=(); "$PY" -c "import lightning" 2>/dev/null && peer=(--lightning)
         run_part bench "$PY" scripts/benchmark.py --out "$out" "${peer[@]}" ;;
-      dist)
-        if [ "$ngpu" -lt 2 ]; then echo "== dist: skipped (1 GPU)"; continue; fi
+      dist|dist-resnet18|dist-convnet)
+        if [ "$ngpu" -lt 2 ]; then echo "== $part: skipped (1 GPU)"; continue; fi
         sizes="1 2"; [ "$ngpu" -ge 4 ] && sizes="1 2 4"
-        # shellcheck disable=SC2086
-        run_part dist-resnet18 "$PY" scripts/dist_benchmark.py --ddp --world-sizes $sizes \
-          --reductions ordered ordered_allgather all_reduce --steps 200 --label resnet18 --out "$out" -- device=cuda model=resnet18 trainer.batch_size=256 \
-          trainer.micro_batch_size=64 amp=on loader=multi loader.num_workers=6
-        # shellcheck disable=SC2086
-        run_part dist-convnet "$PY" scripts/dist_benchmark.py --ddp --world-sizes $sizes \
-          --reductions ordered ordered_allgather all_reduce --steps 200 --label convnet --out "$out" -- device=cuda trainer.batch_size=128 \
-          trainer.micro_batch_size=32 amp=on loader=multi loader.num_workers=6
+        reductions="ordered ordered_no_overlap ordered_allgather"
+        if [ "$part" != dist-convnet ]; then
+          # shellcheck disable=SC2086
+          run_part dist-resnet18 "$PY" scripts/dist_benchmark.py --ddp --world-sizes $sizes \
+            --reductions $reductions --steps 200 --label resnet18 --out "$out" -- device=cuda \
+            model=resnet18 trainer.batch_size=256 trainer.micro_batch_size=64 amp=on loader=multi \
+            loader.num_workers=6
+        fi
+        if [ "$part" != dist-resnet18 ]; then
+          # shellcheck disable=SC2086
+          run_part dist-convnet "$PY" scripts/dist_benchmark.py --ddp --world-sizes $sizes \
+            --reductions $reductions --steps 200 --label convnet --out "$out" -- device=cuda \
+            trainer.batch_size=128 trainer.micro_batch_size=32 amp=on loader=multi loader.num_workers=6
+        fi
         ;;
     esac
   done
