@@ -145,6 +145,8 @@ def main() -> int:
             p.error("--fake-world W needs W >= 2, and runs no DDP peer (it needs W processes)")
         args.world_sizes = [1, args.fake_world]
     share = share_overrides(args.overrides, args.fake_world) if args.fake_world else None
+    if "ordered" not in args.reductions:  # every ratio is to it
+        args.reductions.insert(0, "ordered")
 
     results: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -110,6 +110,8 @@ def test_type_errors_fail_at_composition(override):
         ),
         (["determinism.pythonhashseed=abc"], "determinism.pythonhashseed"),
         (["device=cuda:abc"], "device='cuda:abc'"),
+        (["dist.bucket_mb=0"], "dist.bucket_mb=0.0 is invalid; allowed: a number > 0 (MiB)"),
+        (["dist.bucket_mb=inf"], "dist.bucket_mb=inf is invalid; allowed: a finite number"),
     ],
 )
 def test_range_and_relation_errors_name_the_key(overrides, key):

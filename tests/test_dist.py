@@ -20,7 +20,7 @@ from conftest import Run, run_train, train_cmd, train_here, user_env, with_tests
 from repro.compare import compare_dirs
 from repro.config import compose
 from repro.dist import World, launched_world
-from repro.errors import ConfigError
+from repro.errors import ConfigError, ReproError
 from repro.reduction import (
     add_partials,
     canonical_nodes,
@@ -313,19 +313,21 @@ def toy_step(k: int):
         loss = (params[0] * c[:497].view(7, 71)).sum() + (params[2] * c[497:]).sum()
         return loss.detach(), loss, [torch.tensor([float(i)])]  # the extras: i itself
 
-    def backward(scaled):
-        return list(torch.autograd.grad(scaled, params, materialize_grads=True))
+    def backward(scaled, wrt=None):
+        return list(torch.autograd.grad(scaled, wrt or params, materialize_grads=True))
 
     return params, forward, backward
 
 
-def toy_tree(k: int):
-    """The single-process tree over :func:`toy_step`'s micro-batches."""
-    _, forward, backward = toy_step(k)
+def toy_tree(k: int, wrt=None):
+    """The single-process tree over :func:`toy_step`'s micro-batches (the gradients of the
+    parameters at indices ``wrt``, or all)."""
+    params, forward, backward = toy_step(k)
+    chosen = [params[i] for i in wrt] if wrt else None
 
     def leaf(i):
         loss, scaled, _ = forward(i)
-        return loss, backward(scaled)
+        return loss, backward(scaled, chosen)
 
     return tree_reduce(0, k, leaf, add_partials)
 
@@ -348,7 +350,9 @@ def _reduce_in_three_processes(rank: int, path: str, results: str) -> None:
 
     tdist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=3)
     out = {}
-    for k in (6, 12):  # K = 12: rank 2 holds [8, 9) and [9, 12), two additions up to leaf 11
+    # K = 12: rank 2 holds [8, 9) and [9, 12), 2 left siblings on the way to leaf 11; K = 24:
+    # [16, 18) and [18, 24), 3 left siblings ([18, 21), [21, 22), [22, 23)) up to leaf 23
+    for k in (6, 12, 24):
         for how, overlap, bucket_mb in REDUCTIONS:
             params, forward, backward = toy_step(k)
             reducer = Reducer(World(rank, 3), how, overlap=overlap, bucket_mb=bucket_mb)
@@ -367,6 +371,23 @@ def _reduce_in_three_processes(rank: int, path: str, results: str) -> None:
                 )
             extras = [float(t) for mb in regrouped for t in mb]
             out[(k, how, overlap, bucket_mb)] = (loss, grads, extras, during_backward)
+    # the same reducer once the trained parameters change (the unused one frozen): its
+    # hooks follow the new list; then a hook registered after its own that replaces a
+    # gradient is refused, where W = 1 would sum the replacement
+    params, forward, backward = toy_step(12)
+    reducer = Reducer(World(rank, 3), "ordered", bucket_mb=0.001)
+    reducer.reduce_share(rank * 4, 4, forward, backward, params)
+    kept = [params[0], params[2]]
+    loss, grads, _ = reducer.reduce_share(
+        rank * 4, 4, forward, lambda scaled: backward(scaled, kept), kept
+    )
+    out["frozen"] = (loss, grads)
+    params[2].register_hook(lambda g: g * 2)
+    try:
+        reducer.reduce_share(rank * 4, 4, forward, lambda scaled: backward(scaled, kept), kept)
+        out["replaced"] = "not refused"
+    except ReproError as err:
+        out["replaced"] = str(err)
     if rank == 0:
         torch.save(out, results)
     tdist.destroy_process_group()
@@ -375,16 +396,20 @@ def _reduce_in_three_processes(rank: int, path: str, results: str) -> None:
 @pytest.mark.e2e
 def test_both_ordered_reductions_over_three_processes_are_the_tree_of_one(tmp_path):
     """gloo, 3 processes, K = 6 (shares [0, 2), [2, 4), [4, 6): ranks 0 and 1 hold two
-    canonical nodes, rank 2 one) and K = 12: the reduce-scatter -- overlapped with the
+    canonical nodes, rank 2 one), 12 and 24: the reduce-scatter -- overlapped with the
     backward pass or after it, in one bucket or several -- and the all-gather give the
     single-process tree's loss and gradients, bit for bit, on decades-spanning values."""
     import torch.multiprocessing as mp
 
     results = tmp_path / "results.pt"
     mp.spawn(_reduce_in_three_processes, args=(str(tmp_path / "rdv"), str(results)), nprocs=3)
-    for (k, how, overlap, bucket_mb), (loss, grads, extras, launches) in torch.load(
-        results
-    ).items():
+    out = torch.load(results)
+    assert "gradient of parameter 1 was replaced" in out.pop("replaced")
+    loss, grads = out.pop("frozen")
+    one_loss, one_grads = toy_tree(12, wrt=[0, 2])
+    assert torch.equal(loss, one_loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, one_grads, strict=True))
+    for (k, how, overlap, bucket_mb), (loss, grads, extras, launches) in out.items():
         case = (k, how, overlap, bucket_mb)
         one_loss, one_grads = toy_tree(k)
         assert torch.equal(loss, one_loss), case
@@ -588,3 +613,22 @@ def test_the_ranks_compare_each_digest_at_the_next_digest_step_or_checkpoint(mon
     assert seen == {1: [], 2: [], 3: [], 4: [2], 5: [2], 6: [2, 4], 7: [2, 4, 6, 7]}
     seen = run(checkpoint_every=3)  # checkpoints after 3 and 6: 6 is also a digest step
     assert seen == {1: [], 2: [], 3: [2], 4: [2], 5: [2], 6: [2, 4, 6], 7: [2, 4, 6, 7]}
+
+
+def test_a_peer_lost_while_a_collective_is_in_flight_is_told_apart():
+    """A rank whose collective fails because a peer died records its error later, so that
+    torchrun names the peer's error as the root cause: a failure in a torch.distributed
+    call, or in repro.dist.wait (an asynchronous collective's end), counts; others not."""
+    from repro.dist import wait
+    from repro.errors import _inside_a_collective
+
+    class LostPeer:
+        def wait(self):
+            raise RuntimeError("Connection reset by peer")
+
+    with pytest.raises(RuntimeError) as lost:
+        wait(LostPeer())
+    assert _inside_a_collective(lost.value)
+    with pytest.raises(RuntimeError) as own:
+        LostPeer().wait()
+    assert not _inside_a_collective(own.value)

@@ -240,6 +240,13 @@ def gather_into(out: torch.Tensor, tensor: torch.Tensor, async_op: bool = False)
     return gather(out.view(-1), tensor.view(-1), async_op=async_op)
 
 
+def wait(work: Any) -> None:
+    """Wait for a collective in flight (on GPUs: the current stream waits, not the host).
+    A peer lost meanwhile raises here (``repro.errors`` recognises this frame: the error
+    is most likely that peer's, and its own report goes first)."""
+    work.wait()
+
+
 def moves_cuda_tensors(world: World) -> bool:
     """Does the process group move CUDA tensors itself (NCCL), or only through the CPU
     (gloo)? ``world.backend`` is ``nccl``, ``gloo`` or per device, ``cpu:gloo,cuda:nccl``;

@@ -69,11 +69,15 @@ def report_error(error: BaseException) -> None:
 
 
 def _inside_a_collective(error: BaseException) -> bool:
-    """Was ``error`` raised inside ``torch.distributed`` (a collective, a barrier)?"""
-    tb = error.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and f"torch{os.sep}distributed{os.sep}" in tb.tb_frame.f_code.co_filename
+    """Was ``error`` raised inside ``torch.distributed`` (a collective, a barrier) or while
+    waiting for a collective in flight (:func:`repro.dist.wait`)?"""
+    tb, last = error.__traceback__, None
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "wait" and code.co_filename.endswith(f"repro{os.sep}dist.py"):
+            return True
+        last, tb = code, tb.tb_next
+    return last is not None and f"torch{os.sep}distributed{os.sep}" in last.co_filename
 
 
 class Diverged(ReproError):

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from repro.dist import World, gather_into, moves_cuda_tensors
-from repro.errors import ConfigError
+from repro.dist import World, gather_into, moves_cuda_tensors, wait
+from repro.errors import ConfigError, ReproError
 from repro.progress import span
 
 T = TypeVar("T")
@@ -138,7 +138,8 @@ def left_siblings(lo: int, hi: int, leaf: Callable[[int], Partial]) -> list[Part
 @dataclass(eq=False)
 class _Bucket:
     """Entries of the flat ``[loss, *grads]`` list exchanged together (one dtype), with the
-    buffers the exchange reuses every step."""
+    buffers the exchange reuses every step (``send`` is a fresh flatten each step when every
+    rank holds one node)."""
 
     indices: list[int]
     size: int  # elements
@@ -195,6 +196,7 @@ class Reducer:
         self._grads: list[torch.Tensor] = []  # the reduced gradients' buffers, kept
         self._plan: tuple[Any, list[_Bucket], list[int]] | None = None  # (key, buckets, bucket_of)
         self._hooked: list[torch.Tensor] = []  # the parameters whose gradient hooks are ours
+        self._handles: list[Any] = []  # and the hooks, to remove them if the parameters change
         self._exchange: _Exchange | None = None  # set during the last micro-batch's backward
         self._side: torch.cuda.Stream | None = None
 
@@ -254,6 +256,15 @@ class Reducer:
         extras: list[list[torch.Tensor]],
         k: int,
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[list[torch.Tensor]]]:
+        """``ordered``, a step in order: the BatchNorm statistics' all-gather starts; the
+        last micro-batch's backward pass runs, and as each parameter's gradient arrives
+        (:meth:`_arrived`, from its hook) every bucket whose gradients are all in is
+        launched, in bucket order (:meth:`_launch`: the additions to the left siblings, the
+        flatten, the all-to-all; on GPUs :meth:`_finish` too, queued on the side stream);
+        after it, the buckets no hook completed (unused parameters) go, on the CPU
+        :meth:`_finish` runs for each (the rest of the tree on this rank's shard, the
+        all-gather), and everything is waited for and unflattened into the kept buffers.
+        Without ``overlap`` no hook is armed: all of it happens after the backward pass."""
         nodes = self._nodes[k // self.world.size]
         extra_flat = [t for mb in extras for t in mb]
         extras_in_flight = self._gather_start(extra_flat)  # during the backward pass
@@ -278,21 +289,34 @@ class Reducer:
             self._launch_ready(ex)  # a bucket of the loss alone goes now
         try:
             grads = backward(scaled)
+        except BaseException:
+            for bucket in buckets:  # the run stops: no work of this step is waited for
+                bucket.work = None
+            raise
         finally:
             self._exchange = None
         with span("repro.reduce"):
-            for i, g in enumerate(grads, 1):  # what no hook saw: unused parameters' zeros
-                if ex.leaf[i] is None:
+            for i, g in enumerate(grads, 1):
+                if ex.leaf[i] is None:  # no hook saw it: an unused parameter's zeros
                     ex.leaf[i] = g
                     ex.missing[bucket_of[i]] -= 1
+                elif ex.leaf[i] is not g:  # W = 1 would sum g: the bits would follow W
+                    raise ReproError(
+                        f"the gradient of parameter {i - 1} was replaced after the reduction "
+                        "took it (a gradient hook registered on the model's parameters "
+                        "after training started?); register such hooks before the first "
+                        "step, or use dist.overlap=false."
+                    )
             self._launch_ready(ex)  # the rest, in order
             if self._side is None:  # CPU (or staged): the second half after the backward
                 for bucket in buckets:
                     self._finish(ex, bucket)
             for bucket in buckets:
                 if bucket.work is not None:
-                    bucket.work.wait()  # on GPUs: the compute stream waits, not the host
+                    wait(bucket.work)  # on GPUs: the compute stream waits, not the host
                     bucket.work = None
+                if bucket.stage is None:
+                    bucket.send = None  # a fresh flatten each step: not kept to the next
             if self._side is not None:
                 torch.cuda.current_stream(device).wait_stream(self._side)
             total: list[torch.Tensor | None] = [None] * len(ex.leaf)
@@ -335,9 +359,8 @@ class Reducer:
         nbytes = 0
         for i in [0, *range(len(params), 0, -1)]:
             dtype, numel, itemsize = items[i]
-            limit = min(
-                FIRST_BUCKET_BYTES if len(groups) == 1 else self.bucket_bytes, self.bucket_bytes
-            )
+            first = not any(j for group in groups[:-1] for j in group)  # no parameters before
+            limit = min(FIRST_BUCKET_BYTES if first else self.bucket_bytes, self.bucket_bytes)
             if not groups or items[groups[-1][0]][0] != dtype or nbytes + numel * itemsize > limit:
                 groups.append([])
                 nbytes = 0
@@ -363,6 +386,8 @@ class Reducer:
             a is b for a, b in zip(self._hooked, params, strict=True)
         ):
             return
+        for handle in self._handles:  # another list (a layer frozen, say): other indices
+            handle.remove()
         me = weakref.ref(self)
 
         def arrived(i: int, grad: torch.Tensor) -> None:
@@ -370,13 +395,14 @@ class Reducer:
             if reducer is not None and reducer._exchange is not None:
                 reducer._arrived(reducer._exchange, i, grad)
 
-        for i, p in enumerate(params, 1):
-            p.register_hook(functools.partial(arrived, i))
+        self._handles = [
+            p.register_hook(functools.partial(arrived, i)) for i, p in enumerate(params, 1)
+        ]
         self._hooked = list(params)
 
     def _arrived(self, ex: _Exchange, i: int, grad: torch.Tensor) -> None:
-        if ex.leaf[i] is not None:  # hooked twice (a parameter listed twice): once is enough
-            return
+        if ex.leaf[i] is not None:
+            raise RuntimeError(f"repro.reduction: parameter {i - 1}'s gradient arrived twice")
         ex.leaf[i] = grad
         ex.missing[ex.bucket_of[i]] -= 1
         self._launch_ready(ex)
@@ -431,7 +457,7 @@ class Reducer:
         side = self._side
         with torch.cuda.stream(side) if side is not None else nullcontext():
             if bucket.work is not None:
-                bucket.work.wait()  # on the side stream: the host goes on
+                wait(bucket.work)  # on the side stream: the host goes on
             assert bucket.received is not None and bucket.gathered is not None
             known = {
                 node: bucket.received[r, j]
@@ -541,7 +567,7 @@ class Reducer:
         result: list[list[torch.Tensor | None]] = [[None] * len(tensors) for _ in range(w)]
         for out, index, work, _ in flights:
             if work is not None:
-                work.wait()
+                wait(work)
             group = [tensors[i] for i in index]
             for r in range(w):
                 for i, view in zip(index, _unflatten_dense_tensors(out[r], group), strict=True):
