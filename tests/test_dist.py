@@ -388,6 +388,12 @@ def _reduce_in_three_processes(rank: int, path: str, results: str) -> None:
         out["replaced"] = "not refused"
     except ReproError as err:
         out["replaced"] = str(err)
+    # dist.reduction=all_reduce (NCCL's or gloo's order: not the tree's bits), for the record
+    params, forward, backward = toy_step(6)
+    loss, grads, regrouped = Reducer(World(rank, 3), "all_reduce").reduce_share(
+        rank * 2, 2, forward, backward, params
+    )
+    out["all_reduce"] = (loss, grads, [float(t) for mb in regrouped for t in mb])
     if rank == 0:
         torch.save(out, results)
     tdist.destroy_process_group()
@@ -405,6 +411,10 @@ def test_both_ordered_reductions_over_three_processes_are_the_tree_of_one(tmp_pa
     mp.spawn(_reduce_in_three_processes, args=(str(tmp_path / "rdv"), str(results)), nprocs=3)
     out = torch.load(results)
     assert "gradient of parameter 1 was replaced" in out.pop("replaced")
+    loss, grads, extras = out.pop("all_reduce")  # a sum, in another order: close, not equal
+    exact = torch.stack(decades(6, 998)).double().sum(0)
+    assert torch.allclose(torch.cat([grads[0].flatten(), grads[2]]).double(), exact, rtol=1e-5)
+    assert not grads[1].any() and extras == [float(i) for i in range(6)]
     loss, grads = out.pop("frozen")
     one_loss, one_grads = toy_tree(12, wrt=[0, 2])
     assert torch.equal(loss, one_loss)
