@@ -148,6 +148,7 @@ def main() -> int:
     if "ordered" not in args.reductions:  # every ratio is to it
         args.reductions.insert(0, "ordered")
 
+    fake = args.fake_world
     results: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         n = 0
@@ -158,8 +159,7 @@ def main() -> int:
                 for reduction in reductions if i % 2 == 0 else reductions[::-1]:
                     n += 1
                     extra = share if share and w == 1 else args.overrides
-                    fake = bool(args.fake_world)
-                    r = launch(Path(tmp) / f"run{n}", w, reduction, args.steps, extra, fake)
+                    r = launch(Path(tmp) / f"run{n}", w, reduction, args.steps, extra, bool(fake))
                     results.setdefault(f"{w}/{reduction}", []).append(r)
                     print(
                         f"W={w} {reduction:17} {i + 1}/{args.repeats}: "
@@ -204,7 +204,6 @@ def main() -> int:
         "backward pass).",
         "",
     ]
-    fake = args.fake_world
     if fake:
         lines += [
             f"**Fake world**: each W = {fake} row is one process as rank 0 of {fake} over "

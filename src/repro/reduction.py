@@ -160,6 +160,7 @@ class _Exchange:
     done: list[Partial]
     lefts: list[Partial]
     nodes: list[list[tuple[int, int]]]
+    m: int  # the most nodes any rank holds
     k: int
     buckets: list[_Bucket]
     bucket_of: list[int]
@@ -272,11 +273,13 @@ class Reducer:
         direct = device.type == "cpu" or moves_cuda_tensors(self.world)  # no CPU staging
         if device.type == "cuda" and direct and self._side is None:
             self._side = torch.cuda.Stream(device)
-        buckets, bucket_of = self._buckets(loss, params, max(len(ns) for ns in nodes))
+        m = max(len(ns) for ns in nodes)  # nodes a rank: 1 when W is a power of two
+        buckets, bucket_of = self._buckets(loss, params, m)
         ex = _Exchange(
             done=done,
             lefts=lefts,
             nodes=nodes,
+            m=m,
             k=k,
             buckets=buckets,
             bucket_of=bucket_of,
@@ -327,20 +330,25 @@ class Reducer:
                 for i, view in zip(bucket.indices, views, strict=True):
                     total[i] = view
             gathered_extras = self._gather_finish(extras_in_flight)
-        # Own allocations, as autograd's gradients are: views into a received buffer sit at
-        # arbitrary offsets, and CUDA's multi-tensor kernels (the gradient norm's
-        # _foreach_norm) take another summation path for unaligned tensors (seen on H200).
-        # Allocated once (empty_like keeps each local gradient's layout, so channels_last
-        # stays so; again if a layout changes) and filled every step by one multi-tensor
-        # copy: each step's gradients are consumed (optimizer step, clipping) before the
-        # next one's reduction writes them.
-        if not _same_layouts(self._grads, grads):
-            self._grads = [torch.empty_like(g) for g in grads]
-        torch._foreach_copy_(self._grads, total[1:])  # type: ignore[arg-type]
-        # the loss in its own storage: a view would keep a bucket's buffer alive as long as
-        # the logs hold the step's loss
-        total_loss = total[0].reshape(()).clone()  # type: ignore[union-attr]
-        return total_loss, list(self._grads), _regroup(gathered_extras, extras, self.world.size)
+        loss, grads = self._kept(total, grads)  # type: ignore[arg-type]
+        return loss, grads, _regroup(gathered_extras, extras, self.world.size)
+
+    def _kept(
+        self, total: list[torch.Tensor], like: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The ordered paths' result ``[loss, *grads]`` (views into received buffers) copied
+        out: the loss into its own storage (a view would keep a whole buffer alive as long
+        as the logs hold the step's loss), the gradients into buffers this reducer keeps.
+        Own allocations, as autograd's gradients are: views sit at arbitrary offsets, and
+        CUDA's multi-tensor kernels (the gradient norm's _foreach_norm) take another
+        summation path for unaligned tensors (seen on H200). Allocated once (empty_like
+        keeps each local gradient's layout, so channels_last stays so; again if a layout
+        changes) and filled every step by one multi-tensor copy: each step's gradients are
+        consumed (optimizer step, clipping) before the next one's reduction writes them."""
+        if not _same_layouts(self._grads, like):
+            self._grads = [torch.empty_like(g) for g in like]
+        torch._foreach_copy_(self._grads, total[1:])
+        return total[0].reshape(()).clone(), list(self._grads)
 
     def _buckets(
         self, loss: torch.Tensor, params: list[torch.Tensor], m: int
@@ -436,7 +444,7 @@ class Reducer:
             mine = dict(zip(grads, last, strict=True))
             mine[0] = ex.leaf[0]  # the last node's loss (summed before the backward pass)
             own = [mine[i] for i in bucket.indices]
-            w, m = self.world.size, max(len(ns) for ns in ex.nodes)
+            w, m = self.world.size, ex.m
             self._allocate(bucket, m, own[0])
             if m == 1:  # one node a rank (W a power of two): flattened, it is the send buffer
                 pad = [bucket.pad] if bucket.pad is not None else []
@@ -521,12 +529,8 @@ class Reducer:
                 group = [summed[i] for i in index]
                 torch._foreach_copy_(group, _unflatten_dense_tensors(flat, group))
             return summed[0].reshape(()), summed[1:], regrouped
-        total = self._gather_then_finish(partials, nodes, k)
-        grads = partials[0][1]
-        if not _same_layouts(self._grads, grads):  # own allocations: see _reduce_scatter
-            self._grads = [torch.empty_like(g) for g in grads]
-        torch._foreach_copy_(self._grads, total[1:])
-        return total[0].reshape(()).clone(), list(self._grads), regrouped
+        loss, grads = self._kept(self._gather_then_finish(partials, nodes, k), partials[0][1])
+        return loss, grads, regrouped
 
     def _gather_then_finish(
         self, partials: list[Partial], nodes: list[list[tuple[int, int]]], k: int
