@@ -19,6 +19,7 @@ from repro.config import check_overrides
 from repro.errors import INTERRUPTED_EXIT_CODE, Preempted, ReproError, exit_with, report_error
 from repro.files import ERROR_FILE, LAUNCH_DIR, LOG_FILE
 from repro.process_env import under_torchrun
+from repro.signals import arm as arm_preemption
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 
@@ -109,6 +110,7 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    arm_preemption()  # from here on a cluster's SIGTERM stops the run cleanly, exit status 75
     try:
         check_overrides(sys.argv[1:], CONF_DIR)  # one line for a bad value, before Hydra starts
     except ReproError as err:

@@ -1,7 +1,10 @@
-"""A model whose construction fails for one seed: a sweep job that fails at run time."""
+"""Models (and a logger) that misbehave on purpose, at one point of a run: a sweep job that
+fails at run time, an error on one torchrun rank, Ctrl-C during evaluation, a pre-emption
+notice before the first step."""
 
 import torch
 
+from repro.loggers import Logger
 from repro.models import ConvNet
 from repro.rng import derive_seed
 
@@ -53,3 +56,26 @@ class CtrlCInEvaluation(ConvNet):
                     os.killpg(os.getpgid(0), signal.SIGINT)
                     time.sleep(0.2)  # the handler runs between bytecodes
         return super().forward(x)
+
+
+class TerminatedWhileBuilt(ConvNet):
+    """The default ConvNet, except that building it sends this process SIGTERM (a cluster's
+    pre-emption notice arriving before the first step), then goes on building."""
+
+    def __init__(self, num_classes, in_channels=3, width=8, dropout=0.1):
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGTERM)
+        super().__init__(num_classes, in_channels, width, dropout)
+
+
+class TerminatedWhileStarting(Logger):
+    """A logger whose start is where this process receives SIGTERM (a tracking server being
+    slow to answer when the notice comes)."""
+
+    def start(self, info):
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -1,6 +1,7 @@
 """The `repro` command."""
 
 import json
+import signal
 import subprocess
 import sys
 
@@ -56,3 +57,21 @@ def test_help_of_every_command_prints():
     ):
         out = repro(*command, "--help")
         assert out.returncode == 0 and "usage: repro" in out.stdout, (command, out.stderr)
+
+
+@pytest.mark.e2e
+def test_output_into_a_closed_pipe_ends_quietly(traced_runs):
+    """`repro compare A B | head -1`: the reader is gone before compare writes; compare
+    stops as Unix tools do, without a traceback."""
+    a, b = traced_runs["a"].dir, traced_runs["seed1"].dir
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "repro", "compare", str(a), str(b)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=user_env(),
+    )
+    proc.stdout.close()  # the reader went away
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=60)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert err == "" and proc.returncode == -signal.SIGPIPE  # as `yes | head` ends: 141

@@ -87,6 +87,7 @@ def test_type_errors_fail_at_composition(override):
         (["trainer.batch_size=50"], "trainer.batch_size"),
         (["trainer.micro_batch_size=0"], "trainer.micro_batch_size"),
         (["trainer.max_steps=0"], "trainer.max_steps"),
+        (["trainer.max_steps=100000000"], "trainer.max_steps=100000000 is invalid; allowed: an"),
         (["seed=-1"], "seed"),
         (["optim.lr=0"], "optim.lr"),
         (["optim.clip_grad_norm=0"], "optim.clip_grad_norm=0 is invalid; allowed: a number > 0"),
@@ -143,6 +144,12 @@ def test_range_and_relation_errors_name_the_key(overrides, key):
         (
             "determinism.pythonhashseed=abc",
             "determinism.pythonhashseed='abc' is invalid; allowed: 'random' or an integer",
+        ),
+        ("trainer.bogus=1", "trainer.bogus is not a key of trainer (known: "),
+        ("+trainer.bogus=1", "trainer.bogus is not a key of trainer (known: "),
+        (
+            "trainer.max_steps=99999999999999999999",
+            "trainer.max_steps=99999999999999999999 is invalid; allowed: an integer from 1 to",
         ),
     ],
 )
@@ -218,3 +225,35 @@ def test_an_experiment_preset_sets_its_groups_and_keys_and_overrides_still_win(t
     conf = shutil.copytree(CONF_DIR, tmp_path / "conf")
     (conf / "experiment" / "seeded.yaml").write_text("# @package _global_\nseed: 7\n")
     assert repro_compose(["experiment=seeded"], conf).seed == 7
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "run_dir, reason",
+    [
+        ("/sys/repro-run", ("Operation not permitted", "Read-only file system")),
+        ("/proc/repro-run", ("No such file or directory",)),
+        ("runs/" + "x" * 300, ("File name too long",)),
+    ],
+    ids=["read-only", "proc", "too-long"],
+)
+def test_a_run_directory_that_cannot_be_created_is_one_line(tmp_path, run_dir, reason):
+    proc = subprocess.run(
+        train_cmd(f"hydra.run.dir={run_dir}", "trainer.max_steps=1"),
+        cwd=tmp_path,
+        env=user_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith("error: config error: hydra.run.dir=")
+    assert any(r in proc.stderr for r in reason), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "choose another hydra.run.dir" in proc.stderr
+
+
+def test_keys_a_schema_group_does_not_have_are_one_line():
+    for override in ("trainer.bogus=1", "+trainer.bogus=1", "loader.workers=2", "amp.bogus.x=1"):
+        with pytest.raises(ConfigError, match=r"is not a key of (trainer|loader|amp) \(known: "):
+            check_overrides([override], CONF_DIR)
+    check_overrides(["trainer.ema.decay=0.9", "+model.extra=1", "dist.timeout_s=5"], CONF_DIR)

@@ -464,3 +464,43 @@ def test_a_skipped_image_is_logged_into_the_run_directory_only_once_it_is_the_ru
     run = with_log_file(new)
     assert run.summary["steps"] == 1
     assert "Skipped (data.on_bad_image=skip)" in (new / "train.log").read_text()
+
+
+def test_skip_passes_over_symlinks_that_lead_nowhere_and_folders_named_like_images(tmp_path):
+    """A dangling symlink, a symlink loop and a directory called x.png are bad files, not a
+    failing disk: data.on_bad_image=skip skips them (each named once), stop names them."""
+    pytest.importorskip("PIL")
+    root = _mixed_folder(tmp_path / "images")
+    (root / "ant" / "90.png").symlink_to(root / "ant" / "gone.png")  # dangling
+    (root / "bee" / "91.png").symlink_to(root / "bee" / "91.png")  # a loop
+    (root / "cow" / "92.png").mkdir()  # a folder named like an image
+    data = image_folder(str(root), image_size=16, on_bad_image="skip", val_fraction=0.5)
+    splits = [data.train, data.val]
+    bad = {"90.png", "91.png", "92.png"}
+    assert bad <= {f.name for s in splits for f in s.files}  # listed: the splits do not change
+    for split in splits:
+        images, _ = split.fetch(torch.arange(len(split)))
+        assert images.shape[1:] == (3, 16, 16)
+    with pytest.raises(DataError, match=r"cannot read image .*/9[012]\.png"):
+        image_folder(str(root), image_size=16, val_fraction=0.5)  # stop: named, at once
+
+
+def test_an_image_above_pillows_pixel_limit_is_one_warning_naming_it(tmp_path, monkeypatch, caplog):
+    """Between PIL's limit and twice it, PIL warns (DecompressionBombWarning) and reads: the
+    image is read, and the warning is one line of the run's log naming the file, not PIL's."""
+    import warnings
+
+    pytest.importorskip("PIL")
+    from PIL import Image
+
+    from repro.data import read_image
+
+    Image.new("RGB", (12, 12), (9, 9, 9)).save(tmp_path / "big.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # 144 pixels: warned, not refused
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warning that escapes fails the test
+        with caplog.at_level("WARNING", logger="repro"):
+            image = read_image(tmp_path / "big.png", 8)
+    assert image.shape == (3, 8, 8) and int(image.max()) == 9
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "big.png" in lines[0] and "144 pixels" in lines[0], lines

@@ -149,3 +149,58 @@ def test_segmentation_predictions_are_masks_and_repeat(tmp_path):
 
     with Image.open(outs[0] / "001.png") as mask:  # the input was 39x35: the mask is 32x32
         assert mask.size == (32, 32) and int(np.asarray(mask).max()) < 4
+
+
+@pytest.mark.parametrize("override", ["data.test_size=512", "data.noise=0.9", "data.seed=7"])
+def test_evaluate_refuses_every_setting_that_changes_the_score(tested, override):
+    """The test split's size, the data's noise or seed: another score for the same
+    checkpoint, so evaluate refuses them, naming the key."""
+    cfg = compose([*TESTED, override], ROOT / "conf")
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{key}: .* \(checkpoint\) vs .* \(now\)") as err:
+        evaluate_checkpoint(cfg, tested.dir / "best.pt", torch.device("cpu"))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "override", ["data.image_size=64", "data.noise=0.9", "trainer.eval_batch_size=1"]
+)
+def test_predict_refuses_settings_that_change_its_bytes(tested, tmp_path, override):
+    inputs = tmp_path / "inputs"
+    write_images(inputs, synthetic(train_size=1, val_size=2).val.images)
+    cfg = compose([*TESTED, override], ROOT / "conf")
+    with pytest.raises(ConfigError, match=rf"{override.split('=')[0]}: .* \(checkpoint\) vs"):
+        predict(
+            cfg, choose_checkpoint(tested.dir, cfg), torch.device("cpu"), inputs, tmp_path / "o"
+        )
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("command", ["evaluate", "predict", "rerun"])
+def test_a_damaged_launch_record_is_one_line(tested, tmp_path, capsys, command):
+    """repro evaluate, predict and rerun compose the run's config from its
+    .hydra/overrides.yaml: a damaged one is one line naming it (exit 2), never a traceback.
+    (A damaged config.yaml beside it is not read: the command works.)"""
+    import shutil
+
+    from repro.cli import main
+
+    run_dir = shutil.copytree(tested.dir, tmp_path / "run")
+    (run_dir / ".hydra" / "overrides.yaml").write_bytes(b"- [unclosed\n\xff\xfe: {")
+    (run_dir / ".hydra" / "config.yaml").write_bytes(b"\xff\xfe: {")
+    args = {
+        "evaluate": ["evaluate", str(run_dir)],
+        "predict": ["predict", str(run_dir), str(tmp_path), "--out", str(tmp_path / "p.csv")],
+        "rerun": ["rerun", str(run_dir), "--out", str(tmp_path / "again")],
+    }[command]
+    with preserved_global_state():
+        status = main(args)
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert err.startswith(f"repro {command}: {run_dir}/.hydra/overrides.yaml: "), err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "again").exists() and not (tmp_path / "p.csv").exists()
+    if command == "evaluate":  # the launch's record restored: config.yaml is not read
+        (run_dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in TESTED))
+        with preserved_global_state():
+            assert main(args) == 0, capsys.readouterr().err

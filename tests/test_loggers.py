@@ -197,3 +197,27 @@ def test_a_loggers_bad_value_is_named_before_the_run(monkeypatch):
         compose(["logger=wandb", "logger.wandb.mode=onlin"])
     with pytest.raises(ConfigError, match="is not a subclass of repro.loggers.Logger"):
         compose(["+logger.mine._target_=repro.loggers.remember"])
+
+
+def test_a_run_killed_before_its_first_checkpoint_continues_its_mlflow_run(tmp_path):
+    """Killed after step 2, before the step-3 checkpoint: the relaunch (resume=auto) starts
+    again from step 0 in the same directory, and MLflow holds one run, finished, not an
+    orphan left RUNNING beside a second one."""
+    from mlflow.tracking import MlflowClient
+
+    store = tmp_path / "mlflow.db"
+    args = [*LOGGED, "logger=[csv,mlflow]", f"logger.mlflow.tracking_uri=sqlite:///{store}"]
+
+    def kill(step, model):
+        if step == 2:
+            raise Killed
+
+    with pytest.raises(Killed):
+        train_here(tmp_path / "run", *args, after_step=kill)
+    run = train_here(tmp_path / "run", *args, "trainer.resume=auto")
+    client = MlflowClient(f"sqlite:///{store}")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "repro"]
+    runs = client.search_runs([experiment.experiment_id])
+    assert [r.info.status for r in runs] == ["FINISHED"], [r.info for r in runs]
+    run_id = json.loads((run.dir / "loggers.json").read_text())["mlflow"]["run_id"]
+    assert runs[0].info.run_id == run_id

@@ -10,6 +10,7 @@ not to depend on which process trained them."""
 
 import csv
 import errno
+import io
 import json
 import os
 import shutil
@@ -297,26 +298,30 @@ def test_a_run_directory_without_room_for_two_checkpoints_is_refused_before_trai
 
 @pytest.mark.e2e
 def test_a_storm_of_kills_ends_on_the_uninterrupted_bits(straight, tmp_path):
-    """Four SIGKILLs, mid-epoch checkpoints; the relaunches alternate between 2 loader
+    """Five SIGKILLs, mid-epoch checkpoints; the relaunches alternate between 2 loader
     workers and none (so both loaders are killed, mid-write included, and each resumes what
-    the other wrote): two after a seeded random number of steps, two while a checkpoint is
-    being written (its temporary file exists: fsync is slowed to 0.3 s in these processes),
-    one with each loader; each relaunch resumes with trainer.resume=auto, and a last resume
-    runs to the end. The uninterrupted run it must match used 2 workers throughout."""
+    the other wrote). The first kill comes right after the first checkpoint is renamed into
+    place, before its checksum sidecar (injected at that point: tests/faults), so no earlier
+    checkpoint exists to fall back on; two come after a seeded random number of steps, two
+    while a checkpoint is being written (its temporary file exists: fsync is slowed to 0.3 s
+    in these processes), one with each loader. Each relaunch resumes with
+    trainer.resume=auto, and a last resume runs to the end. The uninterrupted run it must
+    match used 2 workers throughout."""
     import random
 
     run_dir = tmp_path / "run"
-    env = user_env(PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "slow_fsync"), str(ROOT)]))
+    faults = os.pathsep.join([str(ROOT / "tests" / "faults"), str(ROOT)])
     schedule = random.Random(0)
-    kinds = ["writing", "steps", "steps", "writing"]  # multi, single, multi, single
+    kinds = ["sidecar", "writing", "steps", "steps", "writing"]  # multi, single, multi, ...
     caught = {"multi": 0, "single": 0}  # kills while a checkpoint was being written
     for i, kind in enumerate(kinds):
         loader = "multi" if i % 2 == 0 else "single"
         overrides = [*SCENARIOS["mid-epoch"], f"loader={loader}", "trainer.resume=auto"]
+        fault = {"REPRO_FAULT_KILL_AFTER_RENAME": "step-00000010.pt"} if kind == "sidecar" else {}
         proc = subprocess.Popen(
             train_cmd(f"hydra.run.dir={run_dir}", *overrides),
             cwd=tmp_path,
-            env=env,
+            env=user_env(PYTHONPATH=faults, REPRO_FAULT_SLOW_FSYNC="0.3", **fault),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -331,8 +336,15 @@ def test_a_storm_of_kills_ends_on_the_uninterrupted_bits(straight, tmp_path):
             time.sleep(0.002)
         proc.kill()
         proc.wait()
+        if kind == "sidecar":  # killed by itself, at that point: the only checkpoint so far
+            assert proc.returncode == -signal.SIGKILL
+            assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-00000010.pt"]
     assert all(caught.values()), f"no kill during a checkpoint write with a loader: {caught}"
-    assert_same_as(resume(run_dir, SCENARIOS["mid-epoch"]), straight("mid-epoch"))
+    resumed = resume(run_dir, SCENARIOS["mid-epoch"])
+    assert resumed.summary["resumes"][0]["step"] == 10  # the checkpoint without a sidecar
+    assert_same_as(resumed, straight("mid-epoch"))
+    for path in (run_dir / "checkpoints").glob("step-*.pt"):
+        assert sidecar(path).is_file()  # restored, for sha256sum -c
 
 
 @pytest.mark.e2e
@@ -402,14 +414,24 @@ def foreign_weights(path: Path) -> None:
     save_checkpoint(path, state)
 
 
+def damaged_without_checksum(path: Path) -> None:
+    """Bytes changed in a checkpoint whose sidecar is gone: its own digest catches it."""
+    state = torch.load(path, weights_only=True)
+    state["model"]["head.bias"] = state["model"]["head.bias"] + 1  # the digest is not updated
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    path.write_bytes(buf.getvalue())
+    drop_checksum(path)
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     "damage, message",
     [
         (truncate, "checksum mismatch (truncated or corrupted)"),
         (flip_bit, "checksum mismatch (truncated or corrupted)"),
-        (drop_checksum, "no checksum file (the write was interrupted)"),
         (garble_checksum, "checksum file damaged"),
+        (damaged_without_checksum, "its content does not match its own digest (corrupted)"),
         (foreign_weights, "cannot be restored into this run: its 'head.weight' is (7, 3)"),
     ],
 )
@@ -427,6 +449,21 @@ def test_a_damaged_checkpoint_is_detected_and_resume_falls_back(
     kept = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
     assert not [k for k in kept if k.endswith(".bad")]  # rotation deleted the damaged file first
     assert kept == [f"step-000000{s}.pt{x}" for s in (30, 40) for x in ("", ".sha256")]
+
+
+def test_a_checkpoint_without_its_checksum_file_is_verified_by_its_own_digest(killed):
+    """A sidecar lost (a kill between the checkpoint's rename and its sidecar's, a copy that
+    left it behind): the checkpoint still proves itself intact, and loads."""
+    from repro.checkpoint import read_checkpoint
+
+    path = checkpoint_path(killed, 20)
+    expected = load_checkpoint(path)
+    copy = path.parent.parent.parent / "lone.pt"
+    copy.write_bytes(path.read_bytes())
+    loaded = read_checkpoint(copy)
+    assert not loaded.by_sidecar and loaded.state["step"] == 20
+    assert state_dict_sha256(loaded.state["model"]) == state_dict_sha256(expected["model"])
+    assert loaded.sha256 == sidecar(path).read_text().split()[0]
 
 
 @pytest.mark.e2e
@@ -821,3 +858,173 @@ def test_a_checkpoint_from_before_data_test_fraction_resumes_without_a_test_spli
     assert mismatches(before, {"seed": 0, "data": {**data, "test_fraction": 0.2}}, {}, "cpu") == [
         "data.test_fraction: 0.0 (checkpoint) vs 0.2 (now)"
     ]
+
+
+@pytest.mark.e2e
+def test_when_no_checkpoint_is_usable_resume_starts_again_from_step_0(killed, straight, tmp_path):
+    """Every checkpoint damaged (and leftovers of interrupted writes beside them): resume=auto
+    does not fail forever, as a requeue loop would; it sets them aside, says so in one
+    warning, starts again from step 0 in the same directory and ends on the uninterrupted
+    run's bits."""
+    run_dir = shutil.copytree(killed, tmp_path / "run")
+    for step in (10, 20):
+        truncate(checkpoint_path(run_dir, step))
+    (run_dir / "checkpoints" / ".step-00000030.pt.a8r2k_x1.tmp").write_bytes(b"partial")
+    (run_dir / ".summary.json.q0v7zm3c.tmp").write_bytes(b"partial")
+    resumed = resume(run_dir, SCENARIOS["mid-epoch"])
+    warnings = [line for line in resumed.output.splitlines() if "no usable checkpoint" in line]
+    assert len(warnings) == 1 and "starting again from step 0" in warnings[0], resumed.output
+    assert "Falling back" not in resumed.output
+    assert resumed.summary["resumes"] == []
+    assert_same_as(resumed, straight("mid-epoch"))
+    assert not list(run_dir.rglob("*.tmp")) and not list(run_dir.rglob("*.bad"))
+
+
+BEST_EARLY = [
+    "trainer.max_steps=12",
+    "trainer.eval_every=4",
+    "trainer.checkpoint_every=4",
+    *SMALL_DATA,
+    "model.width=8",
+    "loader=single",
+    "task._target_=test_resume.HighestLossIsBest",  # the best evaluation is an early one
+]
+
+
+@pytest.fixture(scope="module")
+def best_early(tmp_path_factory):
+    """The uninterrupted run (every checkpoint kept), and one crashed after step 10 (its
+    newest checkpoint is step 8's; best.pt is the best evaluation's, at step 4 or 8)."""
+    base = tmp_path_factory.mktemp("best")
+    args = [*BEST_EARLY, "trainer.keep_checkpoints=3"]
+    reference = train_here(base / "straight", *args)
+    crash(base / "crashed", args, after=10)
+    return reference, base / "crashed"
+
+
+def delete(path: Path) -> None:
+    path.unlink()
+    sidecar(path).unlink()
+
+
+@pytest.mark.parametrize("damage", [truncate, delete, flip_bit])
+def test_a_damaged_or_missing_best_pt_is_rewritten_from_its_steps_checkpoint(
+    damage, best_early, tmp_path
+):
+    reference, crashed = best_early
+    run_dir = shutil.copytree(crashed, tmp_path / "run")
+    damage(run_dir / "best.pt")
+    resumed = resume(run_dir, [*BEST_EARLY, "trainer.keep_checkpoints=3"])
+    step = reference.summary["best"]["step"]
+    assert f"best.pt: rewritten from step-{step:08d}.pt" in resumed.output
+    assert resumed.summary["best"] == reference.summary["best"]
+    assert best_weights(resumed) == best_weights(reference)
+
+
+def test_a_best_pt_whose_step_checkpoint_was_rotated_away_is_reported_lost(best_early, tmp_path):
+    reference, crashed = best_early
+    run_dir = shutil.copytree(crashed, tmp_path / "run")
+    step = reference.summary["best"]["step"]
+    delete(checkpoint_path(run_dir, step))  # rotated away, as with keep_checkpoints=1
+    truncate(run_dir / "best.pt")
+    resumed = resume(run_dir, [*BEST_EARLY, "trainer.keep_checkpoints=3"])
+    lost = [line for line in resumed.output.splitlines() if "best.pt" in line and "lost" in line]
+    assert len(lost) == 1, resumed.output
+    assert not (run_dir / "best.pt").exists()  # not a file that cannot be read
+    best = resumed.summary["best"]
+    assert best["file"] is None and best["step"] == step and best["lost"]
+    assert resumed.summary["weights_sha256"] == reference.summary["weights_sha256"]
+
+
+def test_a_best_pt_damaged_during_the_run_is_repaired_at_the_end(best_early, tmp_path):
+    reference, _ = best_early
+
+    def damage(step, model):
+        if step == 11:
+            truncate(tmp_path / "run" / "best.pt")
+
+    run = train_here(tmp_path / "run", *BEST_EARLY, "trainer.keep_checkpoints=3", after_step=damage)
+    assert "best.pt: rewritten from" in run.output
+    assert run.summary["best"] == reference.summary["best"]
+    assert best_weights(run) == best_weights(reference)
+
+
+def test_a_damaged_summary_of_a_finished_run_is_written_again(straight, tmp_path):
+    run = straight("mid-epoch")
+    copy = shutil.copytree(run.dir, tmp_path / "end")
+    (copy / "summary.json").write_bytes(b'{"weights_sha256": "\xff')
+    done = resume(copy, SCENARIOS["mid-epoch"])
+    assert "summary.json is damaged" in done.output
+    for key in ("weights_sha256", "final_loss", "val_loss", "val_accuracy", "steps", "best"):
+        assert done.summary[key] == run.summary[key], key
+    assert (
+        json.loads((copy / "summary.json").read_text())["weights_sha256"]
+        == (run.summary["weights_sha256"])
+    )
+
+
+@pytest.mark.e2e
+def test_logs_cut_short_or_deleted_are_rebuilt_from_the_trace(killed, straight, tmp_path):
+    """metrics.csv truncated to its first rows, garbage appended after them, eval.csv
+    deleted: the resume rebuilds the missing rows from trace.jsonl (which holds the same
+    exact values) and ends with the uninterrupted run's files. Without a trace to rebuild
+    from, it names the missing steps in one warning."""
+    run_dir = shutil.copytree(killed, tmp_path / "run")
+    lines = (run_dir / "metrics.csv").read_bytes().splitlines(keepends=True)
+    (run_dir / "metrics.csv").write_bytes(b"".join(lines[:6]) + b"\x00\xff\xfe,garbage\n")
+    (run_dir / "eval.csv").unlink()
+    resumed = resume(run_dir, SCENARIOS["mid-epoch"])
+    assert "metrics.csv: steps 6-20 rebuilt from trace.jsonl" in resumed.output
+    assert "eval.csv: steps 20 rebuilt from trace.jsonl" in resumed.output
+    assert_same_as(resumed, straight("mid-epoch"))
+
+    blind = shutil.copytree(killed, tmp_path / "blind")
+    (blind / "metrics.csv").write_bytes(b"".join(lines[:6]))
+    (blind / "trace.jsonl").unlink()
+    resumed = resume(blind, SCENARIOS["mid-epoch"])
+    missing = [line for line in resumed.output.splitlines() if "metrics.csv" in line]
+    assert len(missing) == 1 and "steps 6-20 are missing" in missing[0], resumed.output
+    assert resumed.summary["weights_sha256"] == straight("mid-epoch").summary["weights_sha256"]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("phase", ["model", "logger"])
+def test_a_preemption_signal_before_the_first_step_exits_75_with_a_line(phase, tmp_path):
+    """SIGTERM while the model is built, or while a logger starts (before the loop): the run
+    stops there with exit status 75 and the resume command, not killed with status 143."""
+    args = ["trainer.max_steps=4", *SMALL_DATA, "loader=single"]
+    if phase == "model":
+        args += ["~model", "+model._target_=sweep_models.TerminatedWhileBuilt"]
+    else:
+        args += ["model.width=8", "+logger.slow._target_=sweep_models.TerminatedWhileStarting"]
+    proc = subprocess.run(
+        train_cmd(f"hydra.run.dir={tmp_path / 'run'}", *args),
+        cwd=tmp_path,
+        env=with_tests_on_path(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == PREEMPTED_EXIT_CODE, out[-2000:]
+    assert "SIGTERM received before the first step" in out
+    assert "trainer.resume=auto" in out and "Traceback" not in out
+    if phase == "logger":  # the directory was taken: the resume command finishes the run
+        again = train_here(tmp_path / "run", *args[:-1], "trainer.resume=auto")
+        assert again.summary["steps"] == 4
+
+
+def test_a_write_that_finds_the_disk_full_names_the_file(tmp_path):
+    from repro.checkpoint import atomic_write
+    from repro.rundir import disk_error
+
+    def full(f):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as f.write raises it
+
+    target = tmp_path / "checkpoints" / "step-00000010.pt"
+    with pytest.raises(OSError) as err:
+        atomic_write(target, full)
+    assert err.value.filename == str(target)
+    message = str(disk_error(err.value, tmp_path))
+    assert message.startswith(f"cannot write {target}: No space left on device")
+    assert not list(target.parent.iterdir())  # no temporary file left

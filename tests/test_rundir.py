@@ -65,13 +65,54 @@ def test_a_config_that_cannot_build_is_refused_before_the_directory_is_touched(t
 
 def test_a_run_directory_in_use_is_refused_naming_its_holder(tmp_path):
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    holder = {"host": "node17", "pid": 4242, "started": time.time()}
-    (run_dir / LOCK_FILE).write_text(json.dumps(holder))
-    before = tree(run_dir)
-    with pytest.raises(ConfigError, match=r"in use by another run \(host node17, pid 4242"):
-        train_here(run_dir, *QUICK)
-    assert tree(run_dir) == before
+    holder = subprocess.Popen(  # another process holds the directory's lock
+        [
+            sys.executable,
+            "-c",
+            "import sys; from pathlib import Path; from repro.rundir import RunDirLock; "
+            "RunDirLock(Path(sys.argv[1])).acquire(); print('held', flush=True); "
+            "sys.stdin.read()",
+            str(run_dir),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=user_env(),
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        before = tree(run_dir)
+        with pytest.raises(
+            ConfigError,
+            match=rf"in use by another run \(host {socket.gethostname()}, pid {holder.pid}",
+        ):
+            train_here(run_dir, *QUICK)
+        assert tree(run_dir) == before
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    assert train_here(run_dir, *QUICK).summary["steps"] == 4  # the holder is gone: free
+
+
+def test_without_file_locks_a_lock_is_an_exclusive_file_and_a_left_one_is_named(
+    tmp_path, monkeypatch
+):
+    """A filesystem without POSIX locks (Lustre without flock): the lock is a file created
+    exclusively; one left by a killed run is refused, naming the file to delete."""
+    import errno
+
+    import repro.rundir
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(repro.rundir.fcntl, "lockf", no_locks)
+    run_dir = tmp_path / "run"
+    assert train_here(run_dir, *QUICK).summary["steps"] == 4
+    assert not (run_dir / LOCK_FILE).exists()  # released
+    (run_dir / LOCK_FILE).write_text(json.dumps({"host": "node17", "pid": 4242}))
+    with pytest.raises(ConfigError, match=r"pid 4242.*delete .*\.lock \(this filesystem has no"):
+        train_here(run_dir, *QUICK, "trainer.resume=auto")
 
 
 def test_a_stale_lock_on_this_host_is_taken_over(tmp_path, capfd):
@@ -137,3 +178,94 @@ def test_a_file_a_run_would_overwrite_is_never_overwritten(tmp_path):
             train_here(run_dir, *QUICK, f"trainer.allow_existing_dir={allow}")
     assert (run_dir / "metrics.csv").read_text() == "my own metrics\n"
     assert sorted(os.listdir(run_dir)) == ["metrics.csv"]
+
+
+def _take_in_turn(run_dir, results, start, done, trials: int, index: int) -> None:
+    """One of the concurrent takers: for each trial, try to take the run directory's lock
+    once all takers are ready, record whether it did, and let go once all have tried."""
+    from repro.rundir import RunDirLock
+
+    for trial in range(trials):
+        start.wait()
+        lock = RunDirLock(run_dir)
+        try:
+            lock.acquire()
+            results[trial * 8 + index] = 1
+        except ConfigError:
+            results[trial * 8 + index] = 0
+        done.wait()  # every taker has tried while the winner still holds it
+        lock.release()
+        done.wait()
+
+
+def test_eight_processes_taking_over_a_dead_runs_lock_at_once_exactly_one_holds_it(tmp_path):
+    """A requeued job and its duplicates all find the lock of a run that was SIGKILLed: in
+    every one of 50 trials, exactly one of 8 concurrent takers holds the directory."""
+    import multiprocessing
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that is no longer running
+    stale = json.dumps({"host": socket.gethostname(), "pid": dead.pid, "started": 0.0})
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    trials, context = 50, multiprocessing.get_context("fork")
+    results = context.Array("i", [-1] * (trials * 8))
+    start, done = context.Barrier(9), context.Barrier(9)
+    takers = [
+        context.Process(target=_take_in_turn, args=(run_dir, results, start, done, trials, i))
+        for i in range(8)
+    ]
+    for p in takers:
+        p.start()
+    try:
+        for _ in range(trials):
+            (run_dir / LOCK_FILE).write_text(stale)  # what the killed run left
+            start.wait(timeout=60)
+            done.wait(timeout=60)
+            done.wait(timeout=60)
+    finally:
+        for p in takers:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    holders = [sum(results[t * 8 : t * 8 + 8]) for t in range(trials)]
+    assert holders == [1] * trials, holders
+
+
+def test_an_empty_lock_left_by_a_launch_that_died_is_not_a_run_in_use(tmp_path):
+    """A launch killed (or out of disk space) between creating .lock and writing its holder
+    leaves an empty file: the next launch takes the directory."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / LOCK_FILE).write_bytes(b"")
+    run = train_here(run_dir, *QUICK)
+    assert run.summary["steps"] == 4 and not (run_dir / LOCK_FILE).exists()
+
+
+def test_a_lock_whose_holder_cannot_be_written_is_removed(tmp_path, monkeypatch):
+    """ENOSPC while the lock records its holder: the launch fails in one line and leaves no
+    lock behind, so the next launch (with space) runs."""
+    import errno
+
+    import repro.rundir
+
+    def full(fd, holder):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    run_dir = tmp_path / "run"
+    monkeypatch.setattr(repro.rundir, "_write_holder", full, raising=False)
+    with pytest.raises(Exception, match="No space left on device"):
+        train_here(run_dir, *QUICK)
+    assert not (run_dir / LOCK_FILE).exists()
+    monkeypatch.undo()
+    assert train_here(run_dir, *QUICK).summary["steps"] == 4
+
+
+def test_a_batch_larger_than_the_training_split_is_refused_before_the_directory_is_touched(
+    tmp_path,
+):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with pytest.raises(Exception, match=r"fewer than trainer.batch_size=2048"):
+        train_here(run_dir, *QUICK, "trainer.batch_size=2048", "trainer.micro_batch_size=32")
+    assert list(run_dir.iterdir()) == []

@@ -240,8 +240,10 @@ def test_image_mask_folder_is_read_lazily_with_its_masks(tmp_path, monkeypatch):
 
     source = write_folder(tmp_path / "data")
     reads = []
-    read_image = repro.data.read_image
-    monkeypatch.setattr(repro.data, "read_image", lambda p, s: reads.append(p) or read_image(p, s))
+    read_image = repro.data.read_image_sized
+    monkeypatch.setattr(
+        repro.data, "read_image_sized", lambda p, s: reads.append(p) or read_image(p, s)
+    )
     d = image_mask_folder(str(tmp_path / "data"), num_classes=4, image_size=32, val_fraction=0.25)
     assert isinstance(d.train, LazyImageMasks) and isinstance(d, DataSplits)
     assert len(reads) == len(d.train)  # the normalisation's sample (all 18 < 256), nothing else
@@ -507,3 +509,27 @@ def test_doctor_cost_names_the_stock_upsampling_and_loss_and_finds_the_preset_ch
     preset = run_cost(compose([*ON_CUDA, *bigger]), repeats=5)
     print(preset.format())
     assert not [c for c in preset.expensive if c.kind in ("Upsample2x", "Segmentation")]
+
+
+def test_a_mask_whose_size_differs_from_its_image_is_one_line_naming_it(tmp_path):
+    pytest.importorskip("PIL")
+    from PIL import Image
+
+    from repro.data import image_mask_folder
+
+    root = tmp_path / "data"
+    (root / "images").mkdir(parents=True)
+    (root / "masks").mkdir()
+    for i in range(4):
+        Image.new("RGB", (20, 16)).save(root / "images" / f"{i}.png")
+        size = (20, 16) if i != 2 else (16, 20)  # one mask transposed
+        Image.new("L", size).save(root / "masks" / f"{i}.png")
+    data = image_mask_folder(str(root), num_classes=2, image_size=8, val_fraction=0.25)
+    split = next(s for s in (data.train, data.val) if any(m.name == "2.png" for m in s.masks))
+    i = next(i for i, m in enumerate(split.masks) if m.name == "2.png")
+    with pytest.raises(
+        DataError, match=r"mask .*masks/2.png is 16×20 .* image .*images/2.png is 20×16"
+    ):
+        split.fetch(torch.tensor([i]))
+    ok = next(j for j in range(len(split)) if j != i)
+    assert split.fetch(torch.tensor([ok]))[1].shape == (1, 8, 8)

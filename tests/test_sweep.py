@@ -203,3 +203,23 @@ def test_resumed_jobs_stay_in_their_group(sequential, tmp_path):
     overrides.write_text(overrides.read_text() + "- trainer.resume=auto\n")
     report, _, _ = write_report(copy)
     assert [len(g["jobs"]) for g in report["groups"]] == [3, 3]
+
+
+@pytest.mark.e2e
+def test_jobs_of_a_killed_sweep_that_never_started_are_listed(sequential, tmp_path):
+    """A sweep SIGKILLed during its second job: one finished, one incomplete, four never
+    started. The report counts the six jobs the sweep planned (from its multirun.yaml), not
+    the two directories it finds."""
+    copy = tmp_path / "killed"
+    shutil.copytree(sequential, copy)
+    for job in copy.glob("[2-5]_*"):
+        shutil.rmtree(job)
+    (next(copy.glob("1_*")) / "summary.json").unlink()
+    report, text, _ = write_report(copy)
+    assert "6 jobs planned: 1 finished, 0 failed, 1 incomplete, 4 never started" in text
+    assert (report["jobs"], report["not_started"]) == (6, 4)
+    missing = [j for g in report["groups"] for j in g["jobs"] if j["status"] == "not started"]
+    assert sorted(j["job"] for j in missing) == ["2", "3", "4", "5"]
+    assert {j["seed"] for j in missing} == {0, 1, 2}
+    assert [len(g["jobs"]) for g in report["groups"]] == [3, 3]  # each lr's three seeds
+    assert repro("report", str(copy)).returncode == 1

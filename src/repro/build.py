@@ -34,7 +34,7 @@ from repro.config import LOOP_KEYS, locate
 from repro.data import DataSplits, DeviceBatches, make_train_loader
 from repro.dist import World, barrier, device_for
 from repro.ema import WeightAverage
-from repro.errors import ConfigError, ReproError
+from repro.errors import ConfigError, DataError, ReproError
 from repro.rng import derive_seed
 from repro.running_stats import RunningStats
 from repro.tasks import Task
@@ -91,6 +91,12 @@ def build_data(cfg: DictConfig, world: World | None = None) -> DataSplits:
     data = instantiate_target(cfg.data, "data")
     if world.main:
         barrier(world)
+    batch = int(cfg.trainer.batch_size)
+    if len(data.train) < batch:  # here, before the run directory is touched
+        raise DataError(
+            f"the training split has {len(data.train)} samples, fewer than "
+            f"trainer.batch_size={batch}; lower the batch size or use more data."
+        )
     if cfg.trainer.test and getattr(data, "test", None) is None:
         raise ConfigError(
             f"trainer.test=true, but data ({cfg.data._target_}) has no test split; give it "

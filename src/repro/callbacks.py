@@ -9,6 +9,7 @@ therefore leaves nothing behind.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
@@ -39,6 +40,18 @@ def validate_sweep_jobs(config: DictConfig) -> None:
                 raise ConfigError(f"{err} (in the sweep job {' '.join(job)})") from None
 
 
+def make_output_dir(path: str, key: str) -> None:
+    """Create the run's (or sweep's) directory, as Hydra is about to: a read-only
+    filesystem, a path under /proc or one longer than the OS allows is then one line naming
+    the key, not Hydra's traceback. Called last: a refused config leaves nothing."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(
+            f"config error: {key}={path}: cannot be created ({err.strerror}); choose another {key}."
+        ) from None
+
+
 class PrepareRunCallback(Callback):
     """Hydra callback: pin the process environment and validate the config (every job's, for
     a sweep) before Hydra creates any run or sweep directory, so that a bad value leaves
@@ -54,6 +67,7 @@ class PrepareRunCallback(Callback):
             # under torchrun: join the process group and agree on one run directory
             world = dist.init(config.dist, dict(config.determinism.nccl_env), str(config.device))
             dist.join_hydra_run(config, world)
+            make_output_dir(config.hydra.run.dir, "hydra.run.dir")
         except ReproError as err:
             exit_with(err)
 
@@ -68,5 +82,6 @@ class PrepareRunCallback(Callback):
             pin_process_environment(config.determinism)
             validate(config)
             validate_sweep_jobs(config)
+            make_output_dir(config.hydra.sweep.dir, "hydra.sweep.dir")
         except ReproError as err:
             exit_with(err)

@@ -1,12 +1,17 @@
 """Checkpoints (docs/design.md, principle 6): atomic, checksummed, rotated, loaded safely.
 
 A checkpoint is a ``torch.save`` file plus a ``sha256sum``-style sidecar
-(``step-00000200.pt.sha256``, checkable with ``sha256sum -c``). The file is written through a
-temporary file (fsync, rename), then the sidecar the same way: a crash at any moment leaves
-the previous checkpoints intact, and a checkpoint without its sidecar — an interrupted write
-— is never trusted. Loading reads the bytes once, checks them against the sidecar, then
-unpickles with ``weights_only=True``: plain data only, so a file carrying code is refused
-without running it.
+(``step-00000200.pt.sha256``, checkable with ``sha256sum -c``). The file also carries a
+digest of its own content (``content_sha256``: every tensor's bytes and every other value),
+so it can prove itself intact without its sidecar. Each is written through a temporary file
+(fsync, rename), the checkpoint first: a crash at any moment leaves the previous
+checkpoints intact, and one between a checkpoint's rename and its sidecar's leaves a
+checkpoint that its own digest verifies. A sidecar is removed just before a new file is
+renamed over an old one, so a sidecar never describes other bytes than its file's: one
+that disagrees means damage. Loading reads the bytes once, checks them against the sidecar
+(or, without one, the content against its own digest), unpickling with
+``weights_only=True``: plain data only, so a file carrying code is refused without running
+it.
 """
 
 from __future__ import annotations
@@ -35,34 +40,53 @@ if TYPE_CHECKING:
     from repro.build import Training
 
 CHECKPOINT_FORMAT = "repro.checkpoint.v1"
+CONTENT_KEY = "content_sha256"  # the checkpoint's digest of its own content
 BAD_SUFFIX = ".bad"  # a checkpoint a resume found damaged, set aside until the next rotation
 LAST_GOOD = "last_good"  # names the newest checkpoint read back and verified after writing
 _NAME = re.compile(r"step-(\d{8})\.pt")
 log = logging.getLogger("repro")
 
 
-def atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> None:
-    """Write through a temporary file in the same folder, fsync it, then rename over ``path``.
+def atomic_write(
+    path: Path,
+    write: Callable[[BinaryIO], Any],
+    before_replace: Callable[[], Any] | None = None,
+) -> None:
+    """Write through a temporary file in the same folder, fsync it, then rename over ``path``
+    (``before_replace``, if given, is called just before the rename).
 
-    A crash at any moment leaves either the old file or the new one, never half of one."""
+    A crash at any moment leaves either the old file or the new one, never half of one. An
+    error names ``path`` (a full disk met by ``write`` names no file of its own)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as err:
+        raise _naming(err, path) from None
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give what open() would
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        if before_replace is not None:
+            before_replace()
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            raise _naming(err, path) from None
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)  # make the rename itself durable
     finally:
         os.close(dir_fd)
+
+
+def _naming(err: OSError, path: Path) -> OSError:
+    """``err`` naming the file being written, not a temporary name or none at all."""
+    return OSError(err.errno, err.strerror or str(err), str(path))
 
 
 def _umask() -> int:
@@ -79,48 +103,139 @@ def checkpoint_path(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / CHECKPOINT_DIR / f"step-{step:08d}.pt"
 
 
+def content_sha256(state: dict[str, Any]) -> str:
+    """SHA-256 of a checkpoint's content, the entry that holds it left out: every tensor's
+    dtype, shape and bytes, every other value's type and ``repr``, in order. What
+    ``torch.load`` gives back hashes the same, so a checkpoint verifies without its
+    sidecar."""
+    h = hashlib.sha256()
+    _feed(h, {k: v for k, v in state.items() if k != CONTENT_KEY})
+    return h.hexdigest()
+
+
+def _feed(h: Any, value: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        h.update(f"tensor {value.dtype} {tuple(value.shape)}\n".encode())
+        flat = value.detach().to("cpu").contiguous().reshape(-1)
+        h.update(flat.view(torch.uint8).numpy())
+    elif isinstance(value, dict):
+        h.update(f"dict {len(value)}\n".encode())
+        for key, item in value.items():
+            _feed(h, key)
+            _feed(h, item)
+    elif isinstance(value, (list, tuple)):
+        h.update(f"{type(value).__name__} {len(value)}\n".encode())
+        for item in value:
+            _feed(h, item)
+    else:
+        h.update(f"{type(value).__name__} {value!r}\n".encode())
+
+
 def save_checkpoint(path: Path, state: dict[str, Any]) -> str:
-    """Write ``state`` and its checksum sidecar atomically; return the SHA-256."""
+    """Write ``state`` (with its content digest) and its checksum sidecar; return the
+    file's SHA-256."""
     buf = io.BytesIO()
-    torch.save(state, buf)
-    data = buf.getvalue()
+    torch.save({**state, CONTENT_KEY: content_sha256(state)}, buf)
+    return write_checkpoint_bytes(Path(path), buf.getvalue())
+
+
+def write_checkpoint_bytes(path: Path, data: bytes) -> str:
+    """A checkpoint's bytes to ``path``, then its sidecar; the old sidecar goes just before
+    the new file is renamed into place (see the module docstring). Returns the SHA-256."""
     digest = hashlib.sha256(data).hexdigest()
-    path = Path(path)
-    atomic_write(path, lambda f: f.write(data))
-    atomic_write(sidecar(path), lambda f: f.write(f"{digest}  {path.name}\n".encode()))
+    atomic_write(
+        path, lambda f: f.write(data), before_replace=lambda: sidecar(path).unlink(missing_ok=True)
+    )
+    write_sidecar(path, digest)
     return digest
 
 
+def write_sidecar(path: Path, digest: str) -> None:
+    atomic_write(sidecar(path), lambda f: f.write(f"{digest}  {path.name}\n".encode()))
+
+
+def _sidecar_digest(path: Path) -> tuple[str | None, str | None]:
+    """``(digest, None)`` from the sidecar; ``(None, None)`` when there is none; ``(None,
+    what is wrong)`` when it cannot be read."""
+    try:
+        return sidecar(path).read_text().split()[0], None
+    except FileNotFoundError:
+        return None, None
+    except (OSError, IndexError, ValueError):  # not text, empty: the sidecar itself is damaged
+        return None, "checksum file damaged"
+
+
 def check_file(path: Path) -> tuple[bytes | None, str | None]:
-    """The file's bytes when they match the sidecar, else ``(None, what is wrong)``."""
+    """The file's bytes when they match its sidecar, else ``(None, what is wrong)``."""
     path = Path(path)
     try:
         data = path.read_bytes()
     except OSError as err:
         return None, f"unreadable ({err.strerror})"
-    try:
-        expected = sidecar(path).read_text().split()[0]
-    except (OSError, IndexError):
-        return None, "no checksum file (the write was interrupted)"
-    except ValueError:  # not text: the sidecar itself is damaged
-        return None, "checksum file damaged"
+    expected, problem = _sidecar_digest(path)
+    if expected is None:
+        return None, problem or "no checksum file"
     if hashlib.sha256(data).hexdigest() != expected:
         return None, "checksum mismatch (truncated or corrupted)"
     return data, None
 
 
+@dataclass
+class Loaded:
+    """A checkpoint read and verified (:func:`read_checkpoint`)."""
+
+    path: Path
+    data: bytes  # the file's bytes
+    state: dict[str, Any]
+    by_sidecar: bool  # verified by its sidecar; False: by its own content digest
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
+
+
+def read_checkpoint(
+    path: Path, map_location: str | torch.device = "cpu", *, require_checksum: bool = True
+) -> Loaded:
+    """Verify and load a checkpoint: by its sidecar when there is one, else by the digest of
+    its own content; :class:`CheckpointError` (one line) when it is damaged, not a
+    checkpoint, or would run code. ``require_checksum=False`` also reads a file with neither
+    (but never one whose sidecar or digest disagrees)."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise CheckpointError(
+            f"{path}: unreadable ({err.strerror}); use an earlier checkpoint."
+        ) from None
+    expected, problem = _sidecar_digest(path)
+    if problem or (expected is not None and hashlib.sha256(data).hexdigest() != expected):
+        problem = problem or "checksum mismatch (truncated or corrupted)"
+        raise CheckpointError(f"{path}: {problem}; use an earlier checkpoint.")
+    state = _unpickle(path, data, map_location)
+    if expected is None:  # no sidecar: a write interrupted after the rename, or a copy
+        held = state.get(CONTENT_KEY)
+        if held is None and require_checksum:
+            raise CheckpointError(
+                f"{path}: no checksum file, and no digest of its own (written before they "
+                "were); use an earlier checkpoint."
+            )
+        if held is not None and content_sha256(state) != held:
+            raise CheckpointError(
+                f"{path}: its content does not match its own digest (corrupted); use an "
+                "earlier checkpoint."
+            )
+    return Loaded(path, data, state, by_sidecar=expected is not None)
+
+
 def load_checkpoint(
     path: Path, map_location: str | torch.device = "cpu", *, require_checksum: bool = True
 ) -> dict[str, Any]:
-    """Verify and load a checkpoint; :class:`CheckpointError` (one line) when it is damaged,
-    not a checkpoint, or would run code. ``require_checksum=False`` also reads a file with no
-    sidecar (but never one whose sidecar disagrees)."""
-    path = Path(path)
-    data, problem = check_file(path)
-    if data is None:
-        if require_checksum or sidecar(path).exists() or not path.is_file():
-            raise CheckpointError(f"{path}: {problem}; use an earlier checkpoint.")
-        data = path.read_bytes()
+    """:func:`read_checkpoint`'s state."""
+    return read_checkpoint(path, map_location, require_checksum=require_checksum).state
+
+
+def _unpickle(path: Path, data: bytes, map_location: str | torch.device) -> dict[str, Any]:
     try:
         state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
@@ -146,6 +261,21 @@ def load_checkpoint(
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{path}: not a repro checkpoint (no 'model' entry).")
     return state
+
+
+def copy_checkpoint(source: Loaded, target: Path) -> None:
+    """A verified checkpoint's bytes written to ``target`` as every checkpoint is (atomically,
+    the old sidecar gone first, then the new one)."""
+    write_checkpoint_bytes(Path(target), source.data)
+
+
+def repair_sidecar(loaded: Loaded) -> bool:
+    """Write the sidecar of a checkpoint its own digest verified (its write was interrupted
+    after the rename), so that ``sha256sum -c`` works again. Returns whether it did."""
+    if loaded.by_sidecar:
+        return False
+    write_sidecar(loaded.path, loaded.sha256)
+    return True
 
 
 def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
@@ -195,18 +325,10 @@ def rotate(run_dir: Path, keep: int) -> list[Path]:
         path.unlink(missing_ok=True)
         sidecar(path).unlink(missing_ok=True)
         deleted.append(path)
+    for orphan in folder.glob("step-*.pt.sha256"):  # its checkpoint deleted by a killed rotation
+        if not orphan.with_suffix("").exists():
+            orphan.unlink(missing_ok=True)
     return deleted
-
-
-def remove_partial_writes(run_dir: Path) -> list[Path]:
-    """Temporary files left by a write that was killed before its rename: the checkpoints'
-    and ``best.pt``'s."""
-    folder = Path(run_dir) / CHECKPOINT_DIR
-    leftovers = list(folder.glob(".*.tmp")) if folder.is_dir() else []
-    leftovers += list(Path(run_dir).glob(f".{BEST_FILE}.*.tmp"))
-    for p in leftovers:
-        p.unlink(missing_ok=True)
-    return leftovers
 
 
 # What must be equal for a resumed run to give the uninterrupted run's bits.
@@ -266,28 +388,79 @@ def mismatches(
     """``key: checkpoint vs now`` for each determinism-relevant config or environment entry
     that differs between a checkpoint and this run. A checkpoint written before an entry was
     recorded (the CPU's instruction set, say) is not refused for lacking it."""
-    old = flatten(upgrade_config(state.get("config") or {}))
-    new = flatten(upgrade_config(config))
-    out = []
-    for key in sorted(set(old) | set(new)):
-        if key.startswith(NOT_COMPARED):
-            continue
-        if any(key == r or key.startswith(r + ".") for r in RELEVANT_CONFIG):
-            absent = ABSENT_MEANS.get(key, "(absent)")
-            a, b = old.get(key, absent), new.get(key, absent)
-            same = SAME_BITS.get(key, {})
-            if (same.get(a, a) if same else a) != (same.get(b, b) if same else b):
-                out.append(f"{key}: {a} (checkpoint) vs {b} (now)")
+
+    def relevant(key: str) -> bool:
+        return not key.startswith(NOT_COMPARED) and _under(key, RELEVANT_CONFIG)
+
+    out = config_mismatches(state, config, relevant)
     written_on = torch.device(state.get("device", device)).type  # cuda:1 and cuda are one kind
     if written_on != torch.device(device).type:
         out.append(f"device: {written_on} (checkpoint) vs {torch.device(device).type} (now)")
     old_env = state.get("environment") or {}
-    relevant = RELEVANT_ENVIRONMENT + (RELEVANT_ON_CPU if written_on == "cpu" else ())
-    for key in relevant:
+    relevant_env = RELEVANT_ENVIRONMENT + (RELEVANT_ON_CPU if written_on == "cpu" else ())
+    for key in relevant_env:
         a, b = old_env.get(key), environment.get(key)
         if a != b and (key in old_env or key in RELEVANT_ENVIRONMENT):
             out.append(f"environment.{key}: {a} (checkpoint) vs {b} (now)")
     return out
+
+
+def config_mismatches(
+    state: dict[str, Any], config: dict[str, Any], compared: Callable[[str], bool]
+) -> list[str]:
+    """``key: checkpoint vs now`` for each ``compared`` key of the configs that differs
+    (keys an older checkpoint lacks read as :data:`ABSENT_MEANS` says; values
+    :data:`SAME_BITS` maps to one are equal)."""
+    old = flatten(upgrade_config(state.get("config") or {}))
+    new = flatten(upgrade_config(config))
+    out = []
+    for key in sorted(set(old) | set(new)):
+        if not compared(key):
+            continue
+        absent = ABSENT_MEANS.get(key, "(absent)")
+        a, b = old.get(key, absent), new.get(key, absent)
+        same = SAME_BITS.get(key, {})
+        if (same.get(a, a) if same else a) != (same.get(b, b) if same else b):
+            out.append(f"{key}: {a} (checkpoint) vs {b} (now)")
+    return out
+
+
+def _under(key: str, prefixes: tuple[str, ...]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+# What cannot change what `repro evaluate` and `repro predict` compute from a checkpoint:
+# how the run was launched, logged, checkpointed and resumed, its loader (evaluation reads
+# the held-out split itself) and processes, and the device (an environment difference,
+# recorded). Every other key -- a forker's data.* and model.* keys included -- is compared.
+NOT_EVALUATED = (
+    "trainer.resume",
+    "trainer.resume_force",
+    "trainer.allow_existing_dir",
+    "trainer.progress",
+    "trainer.log_every",
+    "trainer.checkpoint_every",
+    "trainer.keep_checkpoints",
+    "trainer.checkpoint_name",
+    "trainer.trace",
+    "trainer.trace_every",
+    "trainer.test",
+    "trainer.on_nonfinite",
+    "loader",
+    "logger",
+    "paths",
+    "dist",
+    "device",
+    "determinism.nccl_env",
+    "determinism.fill_uninitialized_memory",
+    "data.in_memory",  # image_folder read up front or per sample: the same bytes (tested)
+)
+
+
+def evaluation_mismatches(state: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    """``key: checkpoint vs now`` for every config key that can change what an evaluation
+    or a prediction of the checkpoint ``state`` gives (all but :data:`NOT_EVALUATED`)."""
+    return config_mismatches(state, config, lambda key: not _under(key, NOT_EVALUATED))
 
 
 # The optimizer settings of checkpoints written before the optimizer was a _target_.
@@ -328,42 +501,39 @@ def upgrade_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def find_resume_point(
-    source: Path,
-    log: Callable[[str], None],
-    fits: Callable[[dict[str, Any]], str | None] = lambda state: None,
-) -> tuple[Path, dict[str, Any], list[Path]] | None:
-    """The checkpoint to resume from: ``source`` itself when it is a file (it must be good),
-    else the newest good one of the run directory ``source``, saying why any newer one was
-    passed over; and those passed over (damaged). Good means intact and, by ``fits`` (say
-    why not, or None), restorable into this run. ``None`` when the directory holds no
-    checkpoint at all."""
+    source: Path, fits: Callable[[dict[str, Any]], str | None] = lambda state: None
+) -> tuple[Loaded | None, list[tuple[Path, str]]]:
+    """The checkpoint to resume from, and those passed over (newer, but damaged or not
+    restorable: ``(path, why)``). ``source`` is a checkpoint file (it must be good: else
+    :class:`CheckpointError`) or a run directory: its newest good checkpoint, or None when
+    it holds none (no checkpoint at all, or none good). Good means intact and, by ``fits``
+    (say why not, or None), restorable into this run."""
     source = Path(source)
     if source.is_file():
-        state = load_checkpoint(source)
-        problem = fits(state)
+        loaded = read_checkpoint(source)
+        problem = fits(loaded.state)
         if problem:
             raise CheckpointError(f"{source}: cannot be restored into this run: {problem}.")
-        return source, state, []
-    candidates = list_checkpoints(source)
-    if not candidates:
-        return None
-    problems, bad = [], []
-    for _, path in candidates:
+        return loaded, []
+    passed_over = []
+    for _, path in list_checkpoints(source):
         try:
-            state = load_checkpoint(path)
-            problem = fits(state)
-            if problem:
-                raise CheckpointError(f"{path}: cannot be restored into this run: {problem}.")
+            loaded = read_checkpoint(path)
         except CheckpointError as err:
-            problems.append(str(err))
-            bad.append(path)
-            log(f"resume: {err} Falling back to the previous checkpoint.")
+            passed_over.append((path, _why(err, path)))
             continue
-        return path, state, bad
-    raise CheckpointError(
-        f"{source / CHECKPOINT_DIR}: no usable checkpoint ({'; '.join(problems)}); start a new "
-        "run (another hydra.run.dir) or restore a checkpoint from a backup."
-    )
+        problem = fits(loaded.state)
+        if problem:
+            passed_over.append((path, f"cannot be restored into this run: {problem}"))
+            continue
+        return loaded, passed_over
+    return None, passed_over
+
+
+def _why(err: CheckpointError, path: Path) -> str:
+    """What is wrong with a checkpoint, from its one-line error: the part after its name."""
+    text = str(err).removeprefix(f"{path}: ")
+    return text.split("; use an", 1)[0].split("; use another", 1)[0]
 
 
 @dataclass
@@ -398,6 +568,7 @@ class Checkpointer:
         self.keep, self.steps_per_epoch, self.resumes = keep, steps_per_epoch, resumes
         self.last_saved: int | None = None
         self.best = best  # {"step", "metric", "value"} of the best evaluation so far
+        self.lost: str | None = None  # why best.pt does not hold that evaluation, if it does not
 
     def save(self, step: int, logs: Any) -> Path:
         """Flush ``logs`` (a :class:`repro.logs.TrainingLog`) first, so that the logs on
@@ -426,7 +597,75 @@ class Checkpointer:
                 return False
         self.best = {"step": step, "metric": task.headline, "value": float(value)}
         save_checkpoint(self.run_dir / BEST_FILE, self._state(step, logs))
+        self.lost = None
         return True
+
+    def check_best(self, reached: int, source_run: Path | None = None) -> None:
+        """Make ``best.pt`` hold the best evaluation so far (:attr:`best`), intact: on resume
+        (``reached``: the checkpoint's step) and at the end of a run. A damaged, missing or
+        stale one is rewritten from a verified copy of that evaluation's state -- its step's
+        periodic checkpoint, or, resuming from another run directory (``source_run``), that
+        run's ``best.pt`` or checkpoint -- or, with none left, said lost in one line (and in
+        the summary). A ``best.pt`` from a later evaluation than ``reached`` (by a process
+        killed after the checkpoint) is left: the run writes it again when it gets there."""
+        path = self.run_dir / BEST_FILE
+        if self.lost is not None and not path.exists():
+            return  # said already
+        try:
+            loaded: Loaded | None = read_checkpoint(path)
+            held = loaded.state.get("best")
+        except CheckpointError as err:
+            there = path.exists() or sidecar(path).exists()
+            loaded, held = None, None
+            problem = f"it was damaged ({_why(err, path)})" if there else "it was missing"
+        if loaded is not None:
+            later = isinstance(held, dict) and isinstance(held.get("step"), int)
+            if (held is not None and held == self.best) or (later and held["step"] > reached):
+                if repair_sidecar(loaded):
+                    log.info(f"{path}: its checksum file, lost in a kill, written again")
+                return
+            problem = f"it held another evaluation ({held})"
+        if self.best is None:  # no best evaluation yet: the run writes best.pt at its first
+            path.unlink(missing_ok=True)
+            sidecar(path).unlink(missing_ok=True)
+            return
+        step = self.best["step"]
+        copies = [checkpoint_path(self.run_dir, step)]
+        elsewhere = source_run is not None and Path(source_run).resolve() != self.run_dir.resolve()
+        if elsewhere:
+            copies = [Path(source_run) / BEST_FILE, checkpoint_path(source_run, step), *copies]
+        for copy in copies:
+            try:
+                found = read_checkpoint(copy)
+            except CheckpointError:
+                continue
+            if found.state.get("step") == step and found.state.get("best") == self.best:
+                copy_checkpoint(found, path)
+                if elsewhere and loaded is None and problem == "it was missing":
+                    log.info(f"{BEST_FILE}: taken from {copy}")  # resumed from another run
+                else:
+                    log.warning(f"{BEST_FILE}: rewritten from {copy.name} ({problem})")
+                self.lost = None
+                return
+        path.unlink(missing_ok=True)
+        sidecar(path).unlink(missing_ok=True)
+        b = self.best
+        self.lost = f"{problem}, and no copy of step {step}'s state is left"
+        log.warning(
+            f"{path}: {problem}, and no checkpoint of its step {step} is left: "
+            f"the weights of the best evaluation ({b['metric']} {b['value']}) are lost; "
+            "training goes on, summary.json records them as lost, and a better evaluation "
+            "writes best.pt again."
+        )
+
+    def best_summary(self) -> dict[str, Any] | None:
+        """summary.json's ``best``: the best evaluation and the file that holds it (null
+        when its weights were lost, with why)."""
+        if self.best is None:
+            return None
+        if self.lost is not None:
+            return {**self.best, "file": None, "lost": self.lost}
+        return {**self.best, "file": BEST_FILE}
 
     def _state(self, step: int, logs: Any) -> dict[str, Any]:
         logs.flush(wait=True)

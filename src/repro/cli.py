@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from repro.errors import ReproError
 
@@ -76,7 +79,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     report, text, written = write_report(Path(args.sweep_dir))
     print(text)
     print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
-    return 0 if report["failed"] == report["incomplete"] == 0 else 1
+    unfinished = report["failed"] + report["incomplete"] + report["not_started"]
+    return 0 if unfinished == 0 else 1
 
 
 def cmd_rerun(args: argparse.Namespace) -> int:
@@ -89,16 +93,7 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     from repro.files import SUMMARY_FILE
 
     job = Path(args.job_dir)
-    overrides_file = job / ".hydra" / "overrides.yaml"
-    if not overrides_file.is_file():
-        raise ReproError(f"{job}: no .hydra/overrides.yaml; give a job directory of a sweep.")
-    from omegaconf import OmegaConf
-
-    from repro.report import RUN_CONTROL, override_key
-
-    overrides = [
-        str(o) for o in OmegaConf.load(overrides_file) if override_key(str(o)) not in RUN_CONTROL
-    ]
+    overrides = launch_overrides(job, "a job directory of a sweep")
     stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     out = Path(args.out) if args.out else job / "rerun" / stamp
     if out.exists() and any(out.iterdir()):
@@ -121,19 +116,30 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
-def _run_config(run_dir: Path, overrides: list[str]):
-    """A run's config, composed again from its launch's overrides (``.hydra/overrides.yaml``,
-    as ``repro rerun`` does) plus ``overrides``."""
-    from omegaconf import OmegaConf
-
-    from repro.config import compose
-    from repro.report import RUN_CONTROL, override_key
+def launch_overrides(run_dir: Path, what: str = "the directory of a run") -> list[str]:
+    """The overrides a run was launched with (``.hydra/overrides.yaml``), less those that
+    only say how it ran (resumed, with a progress bar); one line if they cannot be read."""
+    from repro.config import RUN_CONTROL
+    from repro.report import load_yaml, override_key
 
     launch = run_dir / ".hydra" / "overrides.yaml"
     if not launch.is_file():
-        raise ReproError(f"{run_dir}: no .hydra/overrides.yaml; give the directory of a run.")
-    kept = [str(o) for o in OmegaConf.load(launch) if override_key(str(o)) not in RUN_CONTROL]
-    return compose([*kept, *overrides])
+        raise ReproError(f"{run_dir}: no .hydra/overrides.yaml; give {what}.")
+    overrides = load_yaml(launch, "the run's record of its launch is damaged: restore it")
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise ReproError(
+            f"{launch}: not a list of overrides; the run's record of its launch is damaged: "
+            "restore it."
+        )
+    return [o for o in overrides if override_key(o) not in RUN_CONTROL]
+
+
+def _run_config(run_dir: Path, overrides: list[str]):
+    """A run's config, composed again from its launch's overrides (``.hydra/overrides.yaml``,
+    as ``repro rerun`` does) plus ``overrides``."""
+    from repro.config import compose
+
+    return compose([*launch_overrides(run_dir), *overrides])
 
 
 def _prepared(args: argparse.Namespace):
@@ -156,7 +162,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     cfg, device = _prepared(args)
     checkpoint = choose_checkpoint(Path(args.run_dir), cfg, args.checkpoint)
-    result = evaluate_checkpoint(cfg, checkpoint, device, args.split)
+    result = evaluate_checkpoint(cfg, checkpoint, device, args.split, force=args.force)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
@@ -179,7 +185,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         raise ReproError(f"{inputs}: not a directory; give a folder of images.")
     cfg, device = _prepared(args)
     checkpoint = choose_checkpoint(Path(args.run_dir), cfg, args.checkpoint)
-    count = predict(cfg, checkpoint, device, inputs, out)
+    count = predict(cfg, checkpoint, device, inputs, out, force=args.force)
     print(f"{count} inputs, {checkpoint.name}: wrote {out}", file=sys.stderr)
     return 0
 
@@ -245,6 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
             default="best",
             help="best (best.pt, else the final checkpoint; the default), last, or a file",
         )
+        p.add_argument(
+            "--force",
+            action="store_true",
+            help="go on when the config differs from the checkpoint's where it can change the "
+            "result (the differences are recorded in the output); refused without it",
+        )
         if name == "evaluate":
             p.add_argument("--split", default="test", choices=["test", "val"])
             p.add_argument("--out", help="also write the result here (JSON)")
@@ -259,7 +271,21 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # here, where a reader that went away is caught
+        return status
     except ReproError as err:
         print(f"repro {args.command}: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        _end_as_unix_tools_do()
+
+
+def _end_as_unix_tools_do() -> NoReturn:
+    """The reader of our output went away (``repro compare A B | head``): end quietly, killed
+    by SIGPIPE as ``yes | head`` ends, not with a traceback."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # what is still buffered goes nowhere
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGPIPE)
+    raise SystemExit(128 + signal.SIGPIPE)  # where the signal cannot end the process

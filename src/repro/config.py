@@ -285,8 +285,18 @@ def _validate_run(cfg: DictConfig) -> None:
         _fail("dist.bucket_mb", cfg.dist.bucket_mb, "a number > 0 (MiB)")
 
 
+# Checkpoints are named by their step in 8 digits (checkpoints/step-00000200.pt).
+MAX_STEPS = 99_999_999
+
+
 def _validate_trainer(t: DictConfig) -> None:
-    positive = ("max_steps", "batch_size", "micro_batch_size", "eval_every", "eval_batch_size")
+    if not 1 <= t.max_steps <= MAX_STEPS:
+        _fail(
+            "trainer.max_steps",
+            t.max_steps,
+            f"an integer from 1 to {MAX_STEPS:,} (checkpoints are numbered with 8 digits)",
+        )
+    positive = ("batch_size", "micro_batch_size", "eval_every", "eval_batch_size")
     for key in (*positive, "log_every"):
         if t[key] < 1:
             _fail(f"trainer.{key}", t[key], "an integer >= 1")
@@ -358,6 +368,9 @@ def validate_process_settings(cfg: DictConfig) -> None:
             "determinism.cublas_workspace_config", d.cublas_workspace_config, "':4096:8' or ':16:8'"
         )
 
+
+# Keys that say how a run was launched, not what it computes (a resumed job records them).
+RUN_CONTROL = ("trainer.resume", "trainer.resume_force", "trainer.progress")
 
 # The groups built by ``_target_``, and the keys the run passes them (repro.build) rather
 # than the config: not config keys, so not listed as allowed ones.
@@ -512,6 +525,22 @@ def _checkable(hint: Any) -> Any:
     return simple[0] | None if type(None) in args else simple[0]
 
 
+def _unknown_key(key: str) -> tuple[str, list[str]] | None:
+    """``(group, its keys)`` when ``key`` names no key of a schema dataclass it goes into
+    (``trainer.bogus``); None when it does, or when the schema does not type that part
+    (``model.*``, ``determinism.nccl_env.*``)."""
+    cls: Any = TrainConfig
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            return (".".join(parts[:i]), sorted(hints)) if i else None
+        if not dataclasses.is_dataclass(hints[part]):
+            return None
+        cls = hints[part]
+    return None
+
+
 def _field_type(key: str) -> Any:
     """The schema's type annotation for a dotted key, or None when the schema does not type it
     (``model.*``, ``data.*``, unknown keys: Hydra or :func:`validate` handles those)."""
@@ -589,6 +618,13 @@ def check_overrides(args: list[str], conf_dir: Path) -> None:
                             f"{', '.join(options)}."
                         )
             continue
+        unknown = _unknown_key(key)
+        if unknown is not None:
+            group, known = unknown
+            raise ConfigError(
+                f"config error: {key} is not a key of {group} (known: {', '.join(known)}); "
+                "check its spelling."
+            )
         tp = _field_type(key)
         if tp is None:
             continue

@@ -17,6 +17,7 @@ with their image.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import multiprocessing
@@ -25,6 +26,7 @@ import pickle
 import shutil
 import signal
 import tempfile
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -360,7 +362,7 @@ class LazyImages:
                 return j, read_image(self.files[j], self.image_size)
             except DataError as err:
                 cause = err.__cause__
-                if isinstance(cause, OSError) and cause.errno is not None:
+                if isinstance(cause, OSError) and cause.errno not in (None, *BAD_FILE_ERRNOS):
                     raise  # the disk or filesystem (EIO, EMFILE...), not the file: no skip
                 if j not in self._skipped:
                     self._skipped.add(j)
@@ -373,6 +375,11 @@ class LazyImages:
         return TensorImages(images, labels).to(device)
 
 
+# errno values that say a file is bad -- a symlink to nowhere or in a loop, a folder named
+# like an image, a file gone since the folder was listed -- not that the disk failed
+BAD_FILE_ERRNOS = (errno.ENOENT, errno.ELOOP, errno.EISDIR, errno.ENOTDIR, errno.ENAMETOOLONG)
+
+
 def _pillow():
     try:
         from PIL import Image
@@ -383,24 +390,54 @@ def _pillow():
 
 def read_image(path: Path, size: int) -> torch.Tensor:
     """An image file as uint8 3×size×size (RGB, resized bilinearly)."""
+    return read_image_sized(path, size)[0]
+
+
+def read_image_sized(path: Path, size: int) -> tuple[torch.Tensor, tuple[int, int]]:
+    """:func:`read_image`, and the file's own width and height."""
     Image = _pillow()
     try:
-        with Image.open(path) as im:
-            im = im.convert("RGB").resize((size, size), Image.BILINEAR)
-            data = bytearray(im.tobytes())
+        with warnings.catch_warnings():  # PIL's own line for a large image: ours instead
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path) as im:
+                _warn_if_large(path, im.width, im.height, Image.MAX_IMAGE_PIXELS)
+                original = (im.width, im.height)
+                im = im.convert("RGB").resize((size, size), Image.BILINEAR)
+                data = bytearray(im.tobytes())
     except Exception as err:  # OSError, PIL's DecompressionBombError, a decoder's ValueError
         raise DataError(
             f"data: cannot read image {path} ({type(err).__name__}: {err}); remove or fix the file."
         ) from err
-    return torch.frombuffer(data, dtype=torch.uint8).view(size, size, 3).permute(2, 0, 1)
+    image = torch.frombuffer(data, dtype=torch.uint8).view(size, size, 3).permute(2, 0, 1)
+    return image, original
+
+
+_warned_large: set[str] = set()
+
+
+def _warn_if_large(path: Path, width: int, height: int, limit: int | None) -> None:
+    """Once per file and process: an image above Pillow's decompression-bomb limit (which
+    Pillow warns about, and refuses at twice the limit), read anyway."""
+    if limit is None or width * height <= limit or str(path) in _warned_large:
+        return
+    _warned_large.add(str(path))
+    log.warning(
+        f"data: image {path} has {width * height} pixels, above Pillow's decompression-bomb "
+        f"limit of {limit}; read anyway (PIL.Image.MAX_IMAGE_PIXELS sets the limit)."
+    )
 
 
 def read_mask(
-    path: Path, size: int, num_classes: int, mask_map: dict[int, int] | None = None
+    path: Path,
+    size: int,
+    num_classes: int,
+    mask_map: dict[int, int] | None = None,
+    image: tuple[Path, tuple[int, int]] | None = None,
 ) -> torch.Tensor:
     """A mask PNG of class indices as uint8 size×size (resized nearest: no invented
     classes), its values mapped by ``mask_map`` first. Values are classes ``0 ..
-    num_classes - 1`` or :data:`IGNORE` (not scored)."""
+    num_classes - 1`` or :data:`IGNORE` (not scored). ``image``: its image's path and
+    width and height, which the mask must have."""
     Image = _pillow()
     try:
         with Image.open(path) as im:
@@ -408,6 +445,12 @@ def read_mask(
                 raise DataError(
                     f"data: mask {path} is a {im.mode} image; masks must be single-channel "
                     "PNGs of class indices (mode L or P)."
+                )
+            if image is not None and im.size != image[1]:
+                (w, h), (iw, ih) = im.size, image[1]
+                raise DataError(
+                    f"data: mask {path} is {w}×{h} but its image {image[0]} is {iw}×{ih}; a "
+                    "mask must have its image's size: fix or remove the pair."
                 )
             im = im.resize((size, size), Image.NEAREST)
             mask = torch.from_numpy(np.array(im, dtype=np.int64))
@@ -466,11 +509,19 @@ class LazyImageMasks:
         return len(self.images)
 
     def fetch(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        masks = [
-            read_mask(self.masks[i], self.image_size, self.num_classes, self.mask_map)
-            for i in index.tolist()
-        ]
-        return self.fetch_images(index), torch.stack(masks)
+        images, masks = [], []
+        for i in index.tolist():
+            image, size = read_image_sized(self.images[i], self.image_size)
+            mask = read_mask(
+                self.masks[i],
+                self.image_size,
+                self.num_classes,
+                self.mask_map,
+                image=(self.images[i], size),
+            )
+            images.append(image)
+            masks.append(mask)
+        return torch.stack(images), torch.stack(masks)
 
     def fetch_images(self, index: torch.Tensor) -> torch.Tensor:
         return torch.stack([read_image(self.images[i], self.image_size) for i in index.tolist()])

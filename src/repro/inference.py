@@ -18,7 +18,13 @@ import torch
 from omegaconf import DictConfig
 
 from repro.build import Training, build_data, build_training
-from repro.checkpoint import cannot_restore, load_checkpoint, mismatches, sidecar
+from repro.checkpoint import (
+    cannot_restore,
+    evaluation_mismatches,
+    load_checkpoint,
+    mismatches,
+    read_checkpoint,
+)
 from repro.data import DataSplits, DeviceNormalizer
 from repro.errors import CheckpointError, ConfigError
 from repro.evaluation import evaluate
@@ -44,9 +50,11 @@ def evaluate_checkpoint(
     device: torch.device,
     split: str = "test",
     data: DataSplits | None = None,
+    force: bool = False,
 ) -> dict[str, Any]:
     """The task's metrics of ``checkpoint`` on ``split`` (``test`` or ``val``), with the
-    checkpoint it used (path, step, SHA-256)."""
+    checkpoint it used (path, step, SHA-256); a config that differs from the checkpoint's
+    where it can change them is refused (:func:`settings_differ`), unless ``force``."""
     if split not in SPLITS:
         raise ConfigError(f"split {split!r}: give test or val.")
     data = data or build_data(cfg)
@@ -56,21 +64,21 @@ def evaluate_checkpoint(
             f"data ({cfg.data._target_}) has no test split; give it one (data.test_size for "
             "the synthetic sets, data.test_fraction for image_folder), or evaluate on val."
         )
-    state = load_checkpoint(checkpoint, map_location=device)  # verified against its sidecar
-    differences = settings_differ(state, cfg, device)
+    loaded = read_checkpoint(checkpoint, map_location=device)  # verified
+    state = loaded.state
+    # another machine or version than the checkpoint's: the bits may differ from
+    # trainer.test's (the metrics are still this machine's, deterministic)
+    differences = settings_differ(state, cfg, device, force)
     training = restored(cfg, checkpoint, state, device, data)
     normalize = DeviceNormalizer(data, device, bool(cfg.trainer.channels_last))
     metrics = evaluate(training, held_out, normalize, int(cfg.trainer.eval_batch_size))
-    digest = sidecar(checkpoint).read_text().split()[0]
     return {
         "split": split,
         "checkpoint": checkpoint.name,
         "step": int(state["step"]),
-        "checkpoint_sha256": digest,
+        "checkpoint_sha256": loaded.sha256,
         "metrics": {k.replace("val_", f"{split}_", 1): v for k, v in metrics.items()},
-        # another machine or version than the checkpoint's: the bits may differ from
-        # trainer.test's (the metrics are still this machine's, deterministic)
-        "environment_differs": differences,
+        **differences,
     }
 
 
@@ -93,32 +101,46 @@ def restored(
     return training
 
 
-def settings_differ(state: dict[str, Any], cfg: DictConfig, device: torch.device) -> list[str]:
-    """Refuse a config whose bit-relevant settings are not the checkpoint's (a conf/ default
-    edited since, an override): one line listing them. Returns the environment's
-    differences (another torch, GPU or CPU instruction set), which are only recorded."""
+def settings_differ(
+    state: dict[str, Any], cfg: DictConfig, device: torch.device, force: bool = False
+) -> dict[str, list[str]]:
+    """Refuse a config that differs from the checkpoint's anywhere it can change the result
+    (:func:`repro.checkpoint.evaluation_mismatches`: a conf/ default edited since, an
+    override such as data.test_size): one line listing them, unless ``force``. Returns the
+    differences that are only recorded: the environment's (another torch, GPU or CPU
+    instruction set) and, with ``force``, the config's."""
     from repro.config import resolved_container
     from repro.fingerprint import environment
 
-    found = mismatches(state, resolved_container(cfg), environment(), device.type)
-    config = [m for m in found if not m.startswith(("environment.", "device:"))]
-    if config:
+    config = resolved_container(cfg)
+    differ = evaluation_mismatches(state, config)
+    if differ and not force:
         raise ConfigError(
-            f"the config differs from the checkpoint's where it decides the bits "
-            f"({'; '.join(config)}); evaluate with the run's own settings."
+            f"the config differs from the checkpoint's where it decides the result "
+            f"({'; '.join(differ)}); use the run's own settings, or --force to go on anyway "
+            "(recorded)."
         )
-    return [m for m in found if m not in config]
+    found = mismatches(state, config, environment(), device.type)
+    env = [m for m in found if m.startswith(("environment.", "device:"))]
+    return {"environment_differs": env, **({"config_differs": differ} if differ else {})}
 
 
 def predict(
-    cfg: DictConfig, checkpoint: Path, device: torch.device, inputs: Path, out: Path
+    cfg: DictConfig,
+    checkpoint: Path,
+    device: torch.device,
+    inputs: Path,
+    out: Path,
+    force: bool = False,
 ) -> int:
     """The model of ``checkpoint`` on every image under ``inputs`` (sorted paths, read and
     resized as ``data.image_size`` RGB, normalised with the run's statistics), in batches of
     ``trainer.eval_batch_size``, in evaluation mode (the weight average with ``trainer.ema``).
     Classification: ``out`` is a CSV of ``file, prediction`` and each class's probability
     (``repr`` floats: exact). Segmentation: ``out`` is a folder of ``<file>.png`` class masks.
-    Deterministic: the same bytes every time on the same machine. Returns the count."""
+    Deterministic: the same bytes every time on the same machine; a config that differs from
+    the checkpoint's where it can change them is refused, unless ``force``. Returns the
+    count."""
     from repro.data import IMAGE_SUFFIXES, read_image
 
     files = sorted(p for p in inputs.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
@@ -129,6 +151,7 @@ def predict(
         raise ConfigError(f"data ({cfg.data._target_}) has no image_size to read inputs at.")
     data = build_data(cfg)  # its normalisation statistics
     state = load_checkpoint(checkpoint, map_location=device)
+    settings_differ(state, cfg, device, force)  # as evaluate: the same bytes or a refusal
     training = restored(cfg, checkpoint, state, device, data)
     normalize = DeviceNormalizer(data, device, bool(cfg.trainer.channels_last))
     names = [str(p.relative_to(inputs)) for p in files]

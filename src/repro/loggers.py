@@ -38,9 +38,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from repro.checkpoint import atomic_write
-from repro.config import flatten
+from repro.config import RUN_CONTROL, flatten
 from repro.errors import ConfigError
-from repro.files import EVAL_FILE, LOGGERS_FILE, METRICS_FILE, finite_or_null
+from repro.files import EVAL_FILE, LOGGERS_FILE, METRICS_FILE, TRACE_FILE, finite_or_null
 
 log = logging.getLogger("repro")
 METRICS_FIELDS = ["step", "epoch", "loss", "grad_norm", "lr"]
@@ -172,20 +172,36 @@ def remember(run_dir: Path, name: str, value: dict[str, Any]) -> None:
 class CsvLog:
     """Append rows to a CSV in the run directory; floats as ``repr`` (round-trip exact).
 
-    ``resume_at=s`` keeps the rows of steps <= s already there (a resumed run) and appends."""
+    ``resume_at=s`` (a resumed run) keeps the rows of steps <= s already there -- up to the
+    first row that is cut short or garbled -- and appends. ``expected``: the steps <= s the
+    file must hold; those missing (a file truncated or deleted) are taken from ``rebuild``
+    (step -> row, from ``trace.jsonl``), or named in one warning."""
 
-    def __init__(self, path: Path, fields: list[str], resume_at: int | None = None) -> None:
-        if resume_at is not None and path.is_file():
-            with open(path, newline="") as f:
-                rows = list(csv.reader(f))[1:]
-            kept, last = [], 0
-            for r in rows:  # the clean prefix: complete rows, steps rising, up to resume_at
-                if len(r) != len(fields) or not r[0].isdigit() or not last < int(r[0]) <= resume_at:
-                    break
-                kept.append(r)
-                last = int(r[0])
+    def __init__(
+        self,
+        path: Path,
+        fields: list[str],
+        resume_at: int | None = None,
+        expected: list[int] | None = None,
+        rebuild: Callable[[list[int]], dict[int, list[Any]]] | None = None,
+    ) -> None:
+        if resume_at is not None:
+            rows = {int(r[0]): r for r in _clean_rows(path, fields, resume_at)}
+            missing = [s for s in expected or [] if s not in rows]
+            found = rebuild(missing) if rebuild and missing else {}
+            rows.update({s: _formatted(r) for s, r in found.items()})
+            if found:
+                log.warning(
+                    f"{path.name}: steps {_ranges(sorted(found))} rebuilt from {TRACE_FILE}"
+                )
+            lost = [s for s in missing if s not in found]
+            if lost:
+                log.warning(
+                    f"{path.name}: steps {_ranges(lost)} are missing (cut from the file, and not "
+                    f"in {TRACE_FILE} either): the file has a gap there"
+                )
             buf = io.StringIO()
-            csv.writer(buf).writerows([fields, *kept])
+            csv.writer(buf).writerows([fields, *(rows[s] for s in sorted(rows))])
             atomic_write(path, lambda f: f.write(buf.getvalue().encode()))
             self.file = open(path, "a", newline="")
             self.writer = csv.writer(self.file)
@@ -196,25 +212,118 @@ class CsvLog:
         self.file.flush()
 
     def write(self, rows: list[list[Any]]) -> None:
-        self.writer.writerows([[repr(v) if isinstance(v, float) else v for v in r] for r in rows])
-        self.file.flush()
+        try:
+            self.writer.writerows([_formatted(r) for r in rows])
+            self.file.flush()
+        except OSError as err:  # a full disk: name the file
+            raise OSError(err.errno, err.strerror, str(self.file.name)) from None
 
     def close(self) -> None:
         self.file.close()
 
 
+def _formatted(row: list[Any]) -> list[Any]:
+    return [repr(v) if isinstance(v, float) else v for v in row]
+
+
+def _clean_rows(path: Path, fields: list[str], up_to: int) -> list[list[str]]:
+    """The rows of a CSV log with steps rising up to ``up_to``, until the first one that is
+    not a whole row (cut short by a kill, or garbage appended: bytes that are not UTF-8
+    become U+FFFD and fail the check like any other bad row)."""
+    try:
+        text = path.read_bytes().decode("utf-8", errors="replace")
+    except OSError:
+        return []
+    kept, last, reader = [], 0, csv.reader(io.StringIO(text, newline=""))
+    next(reader, None)  # the header
+    while True:
+        try:
+            r = next(reader)
+        except (StopIteration, csv.Error):  # csv.Error: a NUL byte, say
+            return kept
+        if len(r) != len(fields) or not r[0].isdigit() or not last < int(r[0]) <= up_to:
+            return kept
+        if any("\ufffd" in v for v in r):
+            return kept
+        kept.append(r)
+        last = int(r[0])
+
+
+def _ranges(steps: list[int]) -> str:
+    """``[1, 2, 3, 7]`` -> ``"1-3, 7"``."""
+    out, start = [], None
+    for i, s in enumerate(steps):
+        if start is None:
+            start = s
+        if i + 1 == len(steps) or steps[i + 1] != s + 1:
+            out.append(f"{start}-{s}" if s != start else str(s))
+            start = None
+    return ", ".join(out)
+
+
+def _trace_records(run_dir: Path, up_to: int) -> dict[int, dict[str, Any]]:
+    """The records of ``trace.jsonl`` for steps 1 .. ``up_to``, until its first bad line."""
+    try:
+        text = (run_dir / TRACE_FILE).read_bytes().decode("utf-8", errors="replace")
+    except OSError:
+        return {}
+    records = {}
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+            step = int(record["step"])
+        except (ValueError, KeyError, TypeError):
+            break
+        if 1 <= step <= up_to:
+            records[step] = record
+    return records
+
+
 class CsvLogger(Logger):
     """``metrics.csv`` (a row per step) and ``eval.csv`` (a row per evaluation) in the run
     directory, floats written with ``repr`` (exact). ``repro report`` draws its curves
-    from them; a resumed run keeps their rows up to its checkpoint and appends. Essential:
-    an error writing them (a full disk) stops the run."""
+    from them; a resumed run keeps their rows up to its checkpoint and appends, rebuilding
+    rows that were cut from them from ``trace.jsonl`` (the same values). Essential: an error
+    writing them (a full disk) stops the run."""
 
     essential = True
 
     def start(self, info: RunInfo) -> None:
+        self.metrics = self.evals = None
         at = info.start if info.resumed else None
-        self.metrics = CsvLog(info.run_dir / METRICS_FILE, METRICS_FIELDS, at)
-        self.evals = CsvLog(info.run_dir / EVAL_FILE, ["step", *info.metric_names], at)
+        records: dict[int, dict[str, Any]] | None = None
+
+        def traced() -> dict[int, dict[str, Any]]:
+            nonlocal records
+            if records is None:
+                records = _trace_records(info.run_dir, at or 0)
+            return records
+
+        def metric_rows(steps: list[int]) -> dict[int, list[Any]]:
+            t = traced()
+            return {s: [s, *(t[s][k] for k in METRICS_FIELDS[1:])] for s in steps if s in t}
+
+        def eval_rows(steps: list[int]) -> dict[int, list[Any]]:
+            t = traced()
+            return {
+                s: [s, *(t[s]["eval"][m] for m in info.metric_names)]
+                for s in steps
+                if "eval" in t.get(s, {}) and set(info.metric_names) <= set(t[s]["eval"])
+            }
+
+        trainer = info.config.get("trainer") or {}
+        every, last = int(trainer.get("eval_every") or 0), int(trainer.get("max_steps") or 0)
+        evaluated = [s for s in range(1, (at or 0) + 1) if s == last or (every and s % every == 0)]
+        self.metrics = CsvLog(
+            info.run_dir / METRICS_FILE,
+            METRICS_FIELDS,
+            at,
+            list(range(1, (at or 0) + 1)),
+            metric_rows,
+        )
+        self.evals = CsvLog(
+            info.run_dir / EVAL_FILE, ["step", *info.metric_names], at, evaluated, eval_rows
+        )
 
     def log_steps(self, rows: list[dict[str, Any]]) -> None:
         self.metrics.write([[r[k] for k in METRICS_FIELDS] for r in rows])
@@ -223,8 +332,9 @@ class CsvLogger(Logger):
         self.evals.write([[step, *metrics.values()]])
 
     def close(self) -> None:
-        self.metrics.close()
-        self.evals.close()
+        for log_file in (getattr(self, "metrics", None), getattr(self, "evals", None)):
+            if log_file is not None:  # a start that failed leaves none
+                log_file.close()
 
 
 def _final_metrics(summary: dict[str, Any]) -> tuple[int, dict[str, float]]:
@@ -247,7 +357,9 @@ class TensorBoardLogger(Logger):
     def start(self, info: RunInfo) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        purge = info.start + 1 if info.resumed else None
+        # a resumed run (or one started again from step 0) rewrites the steps after its start
+        again = info.resumed or (info.run_dir / self.subdir).is_dir()
+        purge = info.start + 1 if again else None
         self.writer = SummaryWriter(
             str(info.run_dir / self.subdir), purge_step=purge, flush_secs=self.flush_secs
         )
@@ -323,8 +435,10 @@ class MlflowLogger(Logger):
         if self.uri.startswith("sqlite:///"):
             Path(self.uri[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
         self.client = MlflowClient(tracking_uri=self.uri)
-        held = remembered(info.run_dir, "mlflow") if info.resumed else None
-        if held and held.get("tracking_uri") == self.uri:
+        # this directory's MLflow run, also when it starts again from step 0 (killed
+        # before its first checkpoint): continued, not left RUNNING beside a second one
+        held = remembered(info.run_dir, "mlflow")
+        if held and held.get("tracking_uri") == self.uri and self._continues(held, info):
             self.run_id = held["run_id"]
             self.client.update_run(self.run_id, status="RUNNING")
         else:
@@ -346,10 +460,25 @@ class MlflowLogger(Logger):
         for path in info.metadata:
             self.client.log_artifact(self.run_id, str(path))
 
+    def _continues(self, held: dict[str, Any], info: RunInfo) -> bool:
+        """Does the remembered run continue? A resumed run's does; one started again from
+        step 0 does when it still exists with this config (else it is marked killed)."""
+        if info.resumed:
+            return True
+        try:
+            logged = self.client.get_run(held["run_id"]).data.params
+        except Exception:  # the store was reset, the run deleted
+            return False
+        ours = _params(info.config)
+        if all(logged.get(k) == v for k, v in ours.items() if k not in RUN_CONTROL):
+            return True
+        self.client.set_terminated(held["run_id"], "KILLED")  # an earlier attempt's config
+        return False
+
     def _log_params(self, config: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
-        params = [Param(k, str(v)[:6000]) for k, v in flatten(config).items()]
+        params = [Param(k, v) for k, v in _params(config).items()]
         for i in range(0, len(params), 100):  # MLflow's limit per batch
             self.client.log_batch(self.run_id, params=params[i : i + 100])
 
@@ -379,6 +508,11 @@ class MlflowLogger(Logger):
     def close(self) -> None:
         if self.run_id is not None and not self.finished:  # stopped early: resumable
             self.client.set_terminated(self.run_id, "KILLED")
+
+
+def _params(config: dict[str, Any]) -> dict[str, str]:
+    """The config as MLflow params (dotted keys, values as text of at most 6000 chars)."""
+    return {k: str(v)[:6000] for k, v in flatten(config).items()}
 
 
 def _absolute_sqlite(uri: str) -> str:
@@ -436,7 +570,7 @@ class WandbLogger(Logger):
     def start(self, info: RunInfo) -> None:
         import wandb
 
-        held = remembered(info.run_dir, "wandb") if info.resumed else None
+        held = remembered(info.run_dir, "wandb")  # also when started again from step 0
         run_id = held["id"] if held else uuid.uuid4().hex[:12]  # os.urandom: no RNG touched
         remember(info.run_dir, "wandb", {"id": run_id})
         self.run = wandb.init(

@@ -83,6 +83,7 @@ class TrainingLog:
         self.last_metrics: dict[str, float] = last
         # (step, loss, grad norm) of the first step that was not finite, once a flush saw it
         self.diverged: tuple[int, float, float] | None = None
+        self.warned = False  # about it (trainer.on_nonfinite=continue)
         # (step, loss, grad norm, lr, trace record): tensors on the device until a flush
         self.pending: list[tuple[int, torch.Tensor, torch.Tensor, float, dict[str, Any]]] = []
         self.held: list[dict[str, Any]] = []  # trace records whose state digest is hashing
@@ -171,6 +172,15 @@ class TrainingLog:
         if self.trace and ready:
             self.trace.write(self.held[:ready])
             del self.held[:ready]
+
+    def warn_if_diverged(self) -> None:
+        """``trainer.on_nonfinite=continue``: one warning, once a step was not finite."""
+        if self.diverged and not self.warned:
+            log.warning(
+                f"step {self.diverged[0]}: the loss or gradient norm is not finite; "
+                "training on (trainer.on_nonfinite=continue)"
+            )
+            self.warned = True
 
     def close(self) -> None:
         """The trace closed and the loggers flushed (their owner closes them)."""

@@ -14,6 +14,7 @@ Each concern has its own module; this one only puts them in order:
 ``repro.loggers``      the ``logger`` group: ``metrics.csv``/``eval.csv``, TensorBoard...
 ``repro.trace``        what the trace digests (inputs, weights)
 ``repro.checkpoint``   atomic, checksummed checkpoints and best.pt; restoring one
+``repro.signals``      SIGTERM/SIGUSR1/Ctrl-C caught; before the first step: stop there
 ``repro.preemption``   SIGTERM/SIGUSR1: stop after the step (the loop checkpoints first)
 ``repro.dist``         torchrun: ranks, shares of a step, the reduction across ranks
 =====================  ===============================================================
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import shutil
 import time
 from collections.abc import Callable
 from contextlib import closing
@@ -41,8 +41,9 @@ from repro.checkpoint import (
     RunIdentity,
     cannot_restore,
     checkpoint_path,
+    copy_checkpoint,
+    read_checkpoint,
     restore_training,
-    sidecar,
 )
 from repro.config import config_hash, resolved_container, validate
 from repro.data import DataSplits, DeviceNormalizer, loading
@@ -52,7 +53,7 @@ from repro.dist import init as init_world
 from repro.doctor import explain_nondeterministic_op
 from repro.errors import Diverged
 from repro.evaluation import check_task, evaluate
-from repro.files import BEST_FILE, ENV_FILE, SUMMARY_FILE, TEST_FILE
+from repro.files import ENV_FILE, SUMMARY_FILE, TEST_FILE
 from repro.fingerprint import environment, run_fingerprint
 from repro.inference import choose_checkpoint, evaluate_checkpoint
 from repro.loggers import Loggers, RunInfo
@@ -69,6 +70,7 @@ from repro.rundir import (
     prepare_run_dir,
     write_json,
 )
+from repro.signals import PreemptionSignals, armed
 from repro.step import NotFinite, train_step
 from repro.trace import StepTracer, state_dict_sha256, state_digests
 
@@ -92,25 +94,28 @@ def train(
     refused launch. Under ``torchrun`` every rank calls this with the same ``run_dir``: each
     computes its share of every step's micro-batches, only rank 0 writes files, and the bits
     are those of one process (:mod:`repro.reduction`)."""
-    run = Run.start(cfg, run_dir)
-    lock = RunDirLock(run.dir)  # rank 0 takes it, for the run's lifetime
-    try:
-        return _train(run, lock, after_step, accepted)
-    except OSError as err:  # a full or read-only disk: one line, with the way back
-        explained = disk_error(err, run.dir)
-        if explained is None:
-            raise
-        raise explained from err
-    finally:
+    with armed() as signals:  # a notice from here on stops the run where it loses nothing
+        run = Run.start(cfg, run_dir)
+        signals.stop_before_training(run.dir)
+        lock = RunDirLock(run.dir)  # rank 0 takes it, for the run's lifetime
         try:
-            run.loggers.close()  # also after a crash: a run stopped early is marked so
+            return _train(run, lock, signals, after_step, accepted)
+        except OSError as err:  # a full or read-only disk: one line, with the way back
+            explained = disk_error(err, run.dir)
+            if explained is None:
+                raise
+            raise explained from err
         finally:
-            lock.release()
+            try:
+                run.loggers.close()  # also after a crash: a run stopped early is marked so
+            finally:
+                lock.release()
 
 
 def _train(
     run: Run,
     lock: RunDirLock,
+    signals: PreemptionSignals,
     after_step: Callable[[int, nn.Module], None] | None,
     accepted: Callable[[Path], None] | None,
 ) -> dict[str, Any]:
@@ -121,6 +126,7 @@ def _train(
     # built before the run directory is touched: a config that cannot build changes nothing
     data = build_data(cfg, world)
     training = build_training(cfg, data, run.device)
+    signals.stop_before_training(run.dir)
     # rank 0 takes the directory's lock and looks at it (and refuses before writing
     # anything); every rank gets its answer and the checkpoint to resume from
     resume, finished = on_main(functools.partial(take_run_dir, run, lock, training), world)
@@ -142,17 +148,18 @@ def _train(
     metric_names = check_task(training, data.val, normalize) if world.main else []
     logs = open_logs(run, training, steps_per_epoch, metric_names, resume)
     checkpoints = open_checkpoints(run, training, steps_per_epoch, resumes, resume)
+    signals.stop_before_training(run.dir, start)
     tracer = StepTracer.for_run(t, world)
     training.model.train()
     with (
-        Preemption(world, max_steps) as preemption,
         logs,
         closing(tracer),
         loading(loader) as batches,  # the workers start here
     ):
+        preemption = Preemption(signals, world, max_steps)
         clock = Throughput(start, max_steps, training.batch_size, run.device)
         batches = clock.timed(batches)  # the time the loop waits for the loader
-        stop, warned = t.on_nonfinite == "stop", False
+        stop = t.on_nonfinite == "stop"
         upcoming = next_step_batches(batches, count, normalize)
         for step in range(start, max_steps):
             done = step + 1
@@ -189,12 +196,8 @@ def _train(
             if world.main and due(done, int(t.eval_every), max_steps):
                 metrics = evaluate(training, data.val, normalize, int(t.eval_batch_size))
             logs.step(done, loss, grad_norm, lr, record, metrics)
-            if logs.diverged and not (stop or warned):  # trainer.on_nonfinite=continue
-                log.warning(
-                    f"step {logs.diverged[0]}: the loss or gradient norm is not finite; "
-                    "training on (trainer.on_nonfinite=continue)"
-                )
-                warned = True
+            if not stop:  # trainer.on_nonfinite=continue
+                logs.warn_if_diverged()
             if metrics is not None:  # before the step's checkpoint, which records the best
                 checkpoints.consider_best(done, metrics, logs)
             if world.main and due(done, int(t.checkpoint_every), max_steps):
@@ -332,7 +335,7 @@ def restore(run: Run, training: Training, resume: ResumePoint) -> list[dict[str,
     this = {"from": str(resume.path), "step": resume.step, "forced": resume.forced}
     resumes = [*resume.history, {**this, "world_size": run.world.size}]
     if run.world.main:
-        adopt_logs(resume.source_run, run.dir, resume.best)
+        adopt_logs(resume.source_run, run.dir)
     log.info(f"resumed from {resume.path} at step {resume.step}")
     return resumes
 
@@ -348,7 +351,12 @@ def open_checkpoints(
     when resuming)."""
     keep = int(run.cfg.trainer.keep_checkpoints)
     best = resume.best if resume else None
-    return Checkpointer(run.dir, training, run.identity, keep, steps_per_epoch, resumes, best=best)
+    checkpoints = Checkpointer(
+        run.dir, training, run.identity, keep, steps_per_epoch, resumes, best=best
+    )
+    if run.world.main and resume is not None:  # best.pt as the checkpoint knows it
+        checkpoints.check_best(resume.step, resume.source_run)
+    return checkpoints
 
 
 def run_test(run: Run, data: DataSplits) -> dict[str, Any]:
@@ -356,7 +364,9 @@ def run_test(run: Run, data: DataSplits) -> dict[str, Any]:
     ``test.json``, by ``repro evaluate``'s own function (so with its bits). Written before
     ``summary.json``: a run killed in between is not finished, and its resume tests again."""
     checkpoint = choose_checkpoint(run.dir, run.cfg)
-    result = evaluate_checkpoint(run.cfg, checkpoint, run.device, "test", data)
+    # the run's own checkpoint: a config it differs from was accepted (trainer.resume_force)
+    # and is recorded
+    result = evaluate_checkpoint(run.cfg, checkpoint, run.device, "test", data, force=True)
     write_json(run.dir / TEST_FILE, result)
     metrics = ", ".join(f"{k} {v:.4f}" for k, v in result["metrics"].items())
     log.info(f"test: {result['checkpoint']} (step {result['step']}): {metrics}")
@@ -445,9 +455,9 @@ def finish(
     final = checkpoint_path(run.dir, max_steps)
     if not final.is_file():  # resumed at the last step from another directory
         checkpoints.save(max_steps, logs)
-    final_copy = run.dir / str(cfg.trainer.checkpoint_name)
-    shutil.copyfile(final, final_copy)  # the run's result, next to summary.json
-    shutil.copyfile(sidecar(final), sidecar(final_copy))
+    # the run's result, next to summary.json
+    copy_checkpoint(read_checkpoint(final), run.dir / str(cfg.trainer.checkpoint_name))
+    checkpoints.check_best(max_steps)  # intact, and the best evaluation's
     weights = tracer.final_weights or state_dict_sha256(training.model.state_dict())
     headline = training.task.headline
     test = run_test(run, data) if cfg.trainer.test else None  # before summary.json: see there
@@ -468,7 +478,7 @@ def finish(
         "run_dir": str(run.dir),
         **clock.summary(),
         "wall_seconds": time.perf_counter() - run.started,
-        "best": {**checkpoints.best, "file": BEST_FILE} if checkpoints.best else None,
+        "best": checkpoints.best_summary(),
         "ema": ema_summary(training),
         "test": test,
         "resumes": checkpoints.resumes,

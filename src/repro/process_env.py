@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 from repro.errors import DeterminismError
+from repro.signals import armed
 
 REEXEC_MARKER = "REPRO_REEXECUTED"
 TF32_OVERRIDE = "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"
@@ -66,6 +67,8 @@ def pin_process_environment(dcfg: Any) -> None:
     if not dcfg.allow_tf32:
         env.pop(TF32_OVERRIDE, None)  # it silently turns TF32 on
     env[REEXEC_MARKER] = "1"
+    with armed() as signals:  # a notice received so far would be lost in the exec
+        signals.stop_before_training()
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

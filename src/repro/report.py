@@ -25,13 +25,12 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from repro.config import RUN_CONTROL
 from repro.errors import ReproError
 from repro.files import ERROR_FILE, EVAL_FILE, METRICS_FILE, SUMMARY_FILE, finite_or_null
 
 # The headline and metrics of summaries written before tasks recorded them.
 DEFAULT_METRICS = ("val_accuracy", "val_loss")
-# Overrides that say how a job was run, not what it computes (a resumed job records them).
-RUN_CONTROL = ("trainer.resume", "trainer.resume_force", "trainer.progress")
 
 
 def override_key(override: str) -> str:
@@ -66,7 +65,7 @@ class Job:
     num: int
     overrides: list[str]
     seed: int | None
-    status: str  # ok | failed | incomplete
+    status: str  # ok | failed | incomplete | not started
     summary: dict[str, Any] = field(default_factory=dict)
     error: str = ""
 
@@ -82,7 +81,43 @@ class Job:
         return tuple(o for o in self.overrides if override_key(o) not in ("seed", *RUN_CONTROL))
 
     def rerun_command(self) -> str:
+        if self.status == NOT_STARTED:  # no directory to re-run from: its own command
+            return "python train.py " + " ".join(self.overrides)
         return f"repro rerun {self.dir}"
+
+
+NOT_STARTED = "not started"
+
+
+def planned_jobs(sweep_dir: Path) -> list[list[str]] | None:
+    """Each job the sweep planned, in order (its overrides), from its ``multirun.yaml``: the
+    expansion of its task overrides by Hydra's basic sweeper. None without that file, or
+    when another sweeper (Optuna, say) chose the jobs as it went."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    path = Path(sweep_dir) / "multirun.yaml"
+    if not path.is_file():
+        return None
+    hydra = (load_yaml(path) or {}).get("hydra") or {}
+    sweeper = hydra.get("sweeper") or {}
+    if not str(sweeper.get("_target_", "")).endswith("BasicSweeper"):
+        return None
+    params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()]
+    task = [*params, *((hydra.get("overrides") or {}).get("task") or [])]
+    try:
+        batches = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(task), None)
+    except Exception:  # glob() and friends need the config they were composed with
+        return None
+    return [list(job) for batch in batches for job in batch]
+
+
+def _seed_of(overrides: list[str], default: Any) -> Any:
+    for o in overrides:
+        if override_key(o) == "seed":
+            value = o.split("=", 1)[1]
+            return int(value) if value.isdigit() else value
+    return default
 
 
 def _job_status(job_dir: Path) -> tuple[str, dict[str, Any], str]:
@@ -111,14 +146,16 @@ def _job_status(job_dir: Path) -> tuple[str, dict[str, Any], str]:
     return "incomplete", {}, detail
 
 
-def _load_yaml(path: Path) -> Any:
+def load_yaml(
+    path: Path, remedy: str = "fix it, or move its job directory out of the sweep"
+) -> Any:
+    """A YAML file as plain Python; one line naming it (and ``remedy``) if it is damaged."""
     try:
-        return OmegaConf.load(path)
+        return OmegaConf.to_container(OmegaConf.load(path))
     except Exception as err:  # yaml's parser and scanner errors, undecodable bytes
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ReproError(
-            f"{path}: not valid YAML ({first}); the file is damaged: fix it, or move its job "
-            "directory out of the sweep."
+            f"{path}: not valid YAML ({first}); the file is damaged: {remedy}."
         ) from None
 
 
@@ -131,11 +168,12 @@ def find_jobs(sweep_dir: Path) -> list[Job]:
         overrides_file = sub / ".hydra" / "overrides.yaml"
         if not overrides_file.is_file():
             continue
-        overrides = [str(o) for o in _load_yaml(overrides_file)]
+        overrides = [str(o) for o in load_yaml(overrides_file)]
         config_file = sub / ".hydra" / "config.yaml"
         seed = None
         if config_file.is_file():
-            seed = _load_yaml(config_file).get("seed")
+            config = load_yaml(config_file)
+            seed = config.get("seed") if isinstance(config, dict) else None
         head = sub.name.split("_", 1)[0]
         num = int(head) if head.isdigit() else len(jobs)
         status, summary, error = _job_status(sub)
@@ -145,6 +183,14 @@ def find_jobs(sweep_dir: Path) -> list[Job]:
             f"{sweep_dir}: no job directories (with .hydra/overrides.yaml); give the directory "
             "of a `python train.py -m ...` sweep, e.g. multirun/<date>/<time>_<id>."
         )
+    started = {j.num for j in jobs}
+    default_seed = next((j.seed for j in jobs if j.seed is not None), None)
+    for num, overrides in enumerate(planned_jobs(sweep_dir) or []):
+        if num not in started:  # the sweep was stopped (killed) before it got to this job
+            seed = _seed_of(overrides, default_seed)
+            jobs.append(
+                Job(sweep_dir / str(num), num, overrides, seed, NOT_STARTED, {}, "never started")
+            )
     return sorted(jobs, key=lambda j: j.num)
 
 
@@ -243,6 +289,7 @@ def build_report(sweep_dir: Path) -> dict[str, Any]:
         "ok": sum(j.status == "ok" for j in jobs),
         "failed": sum(j.status == "failed" for j in jobs),
         "incomplete": sum(j.status == "incomplete" for j in jobs),
+        "not_started": sum(j.status == NOT_STARTED for j in jobs),
         "groups": out_groups,
     }
 
@@ -252,11 +299,17 @@ def _num(x: Any, digits: int = 4) -> str:
 
 
 def format_markdown(report: dict[str, Any], figures: dict[int, str]) -> str:
+    counts = (
+        f"{report['jobs']} jobs: {report['ok']} finished, {report['failed']} failed, "
+        f"{report['incomplete']} incomplete"
+    )
+    if report.get("not_started"):  # the sweep was stopped before it started them all
+        counts = counts.replace(" jobs: ", " jobs planned: ", 1)
+        counts += f", {report['not_started']} never started"
     lines = [
         f"# Sweep report: `{report['sweep_dir']}`",
         "",
-        f"{report['jobs']} jobs: {report['ok']} finished, {report['failed']} failed, "
-        f"{report['incomplete']} incomplete. Generated {report['date']} by `repro report`.",
+        f"{counts}. Generated {report['date']} by `repro report`.",
     ]
     if report["common_overrides"]:
         lines += ["", "Overrides of every job: `" + " ".join(report["common_overrides"]) + "`"]

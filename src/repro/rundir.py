@@ -8,9 +8,11 @@ into the directory before the decision, so a refused launch leaves it as it was.
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import sys
@@ -28,9 +30,8 @@ from repro.checkpoint import (
     RunIdentity,
     atomic_write,
     find_resume_point,
-    load_checkpoint,
     mismatches,
-    remove_partial_writes,
+    repair_sidecar,
     set_aside,
     sidecar,
 )
@@ -99,7 +100,13 @@ def prepare_run_dir(
             f"{found.path} is at step {found.step}, beyond trainer.max_steps={max_steps}."
         )
     if found is not None and found.step == max_steps and (run_dir / SUMMARY_FILE).is_file():
-        return found, json.loads((run_dir / SUMMARY_FILE).read_text())
+        try:
+            return found, json.loads((run_dir / SUMMARY_FILE).read_text())
+        except ValueError as err:  # UnicodeDecodeError included: cut short, or overwritten
+            log.warning(
+                f"{run_dir / SUMMARY_FILE} is damaged ({type(err).__name__}); finishing the "
+                "run again from its last checkpoint to write it"
+            )
     return found, None
 
 
@@ -113,46 +120,102 @@ def _resume_point(
     if t.resume is None:
         refuse_to_overwrite(run_dir)
         return None
-    source = run_dir if str(t.resume) == "auto" else Path(str(t.resume)).expanduser()
+    auto = str(t.resume) == "auto"
+    source = run_dir if auto else Path(str(t.resume)).expanduser()
     source_run = source.parent if source.is_file() else source
     if source_run.name == CHECKPOINT_DIR:
         source_run = source_run.parent
-    if source_run.resolve() != run_dir.resolve():
+    own = source_run.resolve() == run_dir.resolve()
+    if not own:
         refuse_to_overwrite(run_dir)  # resuming another run writes here: it must be new
 
     mine = (identity.config, identity.environment, identity.device)
     # under other settings the weights may differ by design: that has its own message below
-    found = find_resume_point(
-        source, log.warning, lambda state: None if mismatches(state, *mine) else fits(state)
+    found, passed_over = find_resume_point(
+        source, lambda state: None if mismatches(state, *mine) else fits(state)
     )
     if found is None:
-        if str(t.resume) != "auto":
-            raise CheckpointError(f"{source}: holds no checkpoints/ to resume from.")
-        finished = [n for n in (SUMMARY_FILE, str(t.checkpoint_name)) if (run_dir / n).exists()]
-        if finished:
-            raise CheckpointError(
-                f"{run_dir} holds a run ({', '.join(finished)}) but no checkpoints/ to resume "
-                "from; choose another hydra.run.dir (nothing was overwritten)."
-            )
-        log.info(f"resume=auto: no checkpoint in {run_dir} yet; starting at step 0")
-        return None
-    path, state, damaged = found
-    differ = mismatches(state, identity.config, identity.environment, identity.device)
+        return _start_at_step_0(cfg, run_dir, source, passed_over, own)
+    differ = mismatches(found.state, identity.config, identity.environment, identity.device)
     if differ and not t.resume_force:
         raise CheckpointError(
-            f"{path} was written under another configuration or environment, so resuming "
-            "would not give the uninterrupted run's bits; resume with the checkpoint's "
-            "settings, or set trainer.resume_force=true to go on anyway (recorded). "
-            "Differences: " + "; ".join(differ)
+            f"{found.path} was written under another configuration or environment, so "
+            "resuming would not give the uninterrupted run's bits; resume with the "
+            "checkpoint's settings, or set trainer.resume_force=true to go on anyway "
+            "(recorded). Differences: " + "; ".join(differ)
         )
     for d in differ:
         log.warning(f"resume_force: {d}")
-    for leftover in remove_partial_writes(run_dir):  # only now: a refusal changes nothing
-        log.info(f"resume: removed {leftover.name}, a write interrupted before its rename")
-    if source_run.resolve() == run_dir.resolve():  # this run's own damaged checkpoints
-        for bad in damaged:
+    remove_partial_writes(run_dir)  # only now: a refusal changes nothing
+    if own:  # this run's own checkpoints: the damaged ones set aside, a lost sidecar restored
+        for bad, why in passed_over:
+            log.warning(f"resume: {bad}: {why}. Falling back to the previous checkpoint.")
             log.warning(f"resume: set {bad.name} aside as {set_aside(bad).name} (unusable)")
-    return ResumePoint(path, state, differ)
+        if repair_sidecar(found):
+            log.info(f"resume: {found.path.name} verified by its own digest; checksum restored")
+    return ResumePoint(found.path, found.state, differ)
+
+
+def _start_at_step_0(
+    cfg: DictConfig,
+    run_dir: Path,
+    source: Path,
+    passed_over: list[tuple[Path, str]],
+    own: bool,
+) -> None:
+    """``trainer.resume`` found no checkpoint to resume from. ``auto`` in the run's own
+    directory starts at step 0 there -- when there was none yet (killed before the first),
+    and when none is usable (damaged: set aside, one warning): a requeued job must not fail
+    forever, and a run started again ends on the same bits. Otherwise, one line."""
+    t = cfg.trainer
+    damaged = "; ".join(f"{p.name}: {why}" for p, why in passed_over)
+    if not (own and str(t.resume) == "auto"):
+        if passed_over:
+            raise CheckpointError(
+                f"{source / CHECKPOINT_DIR}: no usable checkpoint ({damaged}); resume from "
+                "another one (trainer.resume=PATH) or start a new run (another hydra.run.dir)."
+            )
+        raise CheckpointError(f"{source}: holds no checkpoints/ to resume from.")
+    finished = [n for n in (SUMMARY_FILE, str(t.checkpoint_name)) if (run_dir / n).exists()]
+    if finished:
+        what = f"checkpoints that cannot be used ({damaged})" if passed_over else "checkpoints/"
+        raise CheckpointError(
+            f"{run_dir} holds a finished run ({', '.join(finished)}) but no {what} to resume "
+            "from; choose another hydra.run.dir (nothing was overwritten)."
+        )
+    remove_partial_writes(run_dir)
+    if passed_over:
+        for bad, _ in passed_over:
+            set_aside(bad)
+        log.warning(
+            f"resume: no usable checkpoint in {run_dir / CHECKPOINT_DIR} ({damaged}); set "
+            "aside as *.bad, starting again from step 0 in this directory: the run ends on "
+            "the bits of one never interrupted"
+        )
+    else:
+        log.info(f"resume=auto: no checkpoint in {run_dir} yet; starting at step 0")
+    # what an earlier attempt wrote that the new one would not overwrite at once
+    for stale in [run_dir / BEST_FILE, run_dir / TEST_FILE, *run_dir.glob("env-resume-*.json")]:
+        stale.unlink(missing_ok=True)
+        sidecar(stale).unlink(missing_ok=True)
+    return None
+
+
+def remove_partial_writes(run_dir: Path) -> None:
+    """Temporary files left by writes killed before their rename (:func:`atomic_write`'s
+    ``.<name>.<random>.tmp``): in ``checkpoints/``, and beside the run's own files."""
+    folder = run_dir / CHECKPOINT_DIR
+    leftovers = list(folder.glob(".*.tmp")) if folder.is_dir() else []
+    for p in run_dir.glob(".*.tmp"):
+        name = _TEMPORARY.fullmatch(p.name)
+        if name and _ours(name.group(1)):
+            leftovers.append(p)
+    for p in leftovers:
+        p.unlink(missing_ok=True)
+        log.info(f"resume: removed {p.name}, a write interrupted before its rename")
+
+
+_TEMPORARY = re.compile(r"\.(.+)\.[A-Za-z0-9_]{8}\.tmp")
 
 
 def refuse_to_overwrite(run_dir: Path) -> None:
@@ -262,11 +325,17 @@ class _Holding(logging.Handler):
 
 
 class RunDirLock:
-    """The run directory's owner, for the run's lifetime: ``.lock``, created with
-    ``O_CREAT | O_EXCL`` (atomic on local filesystems and on NFS v3 and later), holding the
-    host, the pid and the start time. A second launch into the directory is refused with
-    the holder's name. A lock whose process is gone is taken over, on the same host only
-    (on another host the process cannot be checked: the message says how to remove it).
+    """The run directory's owner, for the run's lifetime: ``.lock``, holding a POSIX record
+    lock (``fcntl.lockf``; on NFS, its lock manager's) and the holder's host, pid and start
+    time. The kernel releases the lock when its process ends, however it ends (SIGKILL, a
+    full disk, a crash between creating the file and writing it), so the lock of a run that
+    is gone is simply free: there is no stale lock to judge and take over, and so no race
+    between launches taking one over at once. A second launch into the directory is
+    refused, naming the holder.
+
+    On a filesystem without locks (Lustre mounted without ``flock``) the lock is a file
+    created with ``O_CREAT | O_EXCL`` instead: a run killed there leaves it behind, and the
+    refusal says which file to delete.
 
     Until :meth:`accept` (the directory is the run's), log records for files in it are held
     back (:class:`HeldFileLogs`)."""
@@ -274,6 +343,7 @@ class RunDirLock:
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / LOCK_FILE
         self.held = False
+        self.fd: int | None = None  # the locked file's descriptor (closing it unlocks)
         self.logs = HeldFileLogs(run_dir)
 
     def accept(self) -> None:
@@ -283,57 +353,96 @@ class RunDirLock:
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
-        for _ in range(2):
+        for _ in range(10):
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                fd, created = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
             except FileExistsError:
-                holder = self._holder()
-                if not self._stale(holder):
-                    raise ConfigError(
-                        f"{self.path.parent} is in use by another run (host "
-                        f"{holder.get('host', '?')}, pid {holder.get('pid', '?')}, started "
-                        f"{_when(holder.get('started'))}); wait for it, or choose another "
-                        f"hydra.run.dir. If that run is gone, delete {self.path}."
-                    ) from None
+                try:
+                    fd, created = os.open(self.path, os.O_RDWR), False
+                except FileNotFoundError:  # its holder removed it as we looked
+                    continue
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as err:
+                if err.errno in _NO_LOCKS and created:  # no locks here: the file itself is it
+                    self._hold(fd, me)
+                    return
+                holder = _read_holder(fd)
+                os.close(fd)
+                if err.errno in (errno.EACCES, errno.EAGAIN):
+                    raise self._in_use(holder) from None
+                if err.errno in _NO_LOCKS:
+                    raise self._in_use(holder, locks=False) from None
+                raise
+            if not _same_file(fd, self.path):  # its holder removed it as we opened it
+                os.close(fd)
+                continue
+            previous = _read_holder(fd)
+            self._hold(fd, me)
+            if previous.get("pid") is not None:
                 print(
-                    f"{self.path}: taking over the lock of pid {holder.get('pid')}, which is "
-                    "no longer running on this host",
+                    f"{self.path}: taking over the lock of pid {previous['pid']} (host "
+                    f"{previous.get('host', '?')}), which ended without releasing it",
                     file=sys.stderr,
                 )
-                self.path.unlink(missing_ok=True)
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-            self.held = True
             return
         raise ConfigError(f"{self.path}: could not take the lock; try again.")
 
-    def _holder(self) -> dict[str, Any]:
+    def _hold(self, fd: int, me: dict[str, Any]) -> None:
+        """The lock is ours: say who holds it (or, failing to, leave nothing behind)."""
+        self.fd, self.held = fd, True
         try:
-            return dict(json.loads(self.path.read_text()))
-        except (OSError, ValueError, TypeError):
-            return {}  # being written this instant, or damaged: treated as held
+            _write_holder(fd, me)
+        except BaseException:
+            self.release()  # a full disk, say: no lock file that looks held is left
+            raise
 
-    @staticmethod
-    def _stale(holder: dict[str, Any]) -> bool:
-        if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
-            return False
-        try:
-            os.kill(holder["pid"], 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
+    def _in_use(self, holder: dict[str, Any], locks: bool = True) -> ConfigError:
+        why = "" if locks else " (this filesystem has no file locks: a killed run leaves it)"
+        return ConfigError(
+            f"{self.path.parent} is in use by another run (host {holder.get('host', '?')}, pid "
+            f"{holder.get('pid', '?')}, started {_when(holder.get('started'))}); wait for it, "
+            f"or choose another hydra.run.dir. If that run is gone, delete {self.path}{why}."
+        )
 
     def release(self) -> None:
         self.logs.release(write=False)  # refused (or failed) before it was accepted
         if self.held:
             self.held = False
-            try:
+            try:  # removed while still locked: the next launch locks a new file
                 self.path.unlink(missing_ok=True)
-            except OSError:  # a filesystem gone read-only: the next launch takes it over
+            except OSError:  # a filesystem gone read-only: the lock is released all the same
                 pass
+        if self.fd is not None:
+            os.close(self.fd)  # the kernel releases the lock
+            self.fd = None
+
+
+# errno values of a filesystem that does not support POSIX locks
+_NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
+
+
+def _read_holder(fd: int) -> dict[str, Any]:
+    """What a lock file says of its holder ({} while it is being written, or if damaged)."""
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0))
+    except (OSError, ValueError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _write_holder(fd: int, holder: dict[str, Any]) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(holder).encode(), 0)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        there = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
 
 
 def _when(started: Any) -> str:
@@ -342,29 +451,14 @@ def _when(started: Any) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
 
 
-def adopt_logs(source_run: Path, run_dir: Path, best: dict[str, Any] | None = None) -> None:
-    """Resuming from another run's directory: start from its logs, and from its ``best.pt``
-    when that is the checkpoint's best so far (``best``: not one a later evaluation of the
-    source run wrote, which this run will reach again)."""
+def adopt_logs(source_run: Path, run_dir: Path) -> None:
+    """Resuming from another run's directory: start from its logs (its ``best.pt`` is
+    :meth:`repro.checkpoint.Checkpointer.check_best`'s)."""
     if source_run.resolve() == run_dir.resolve():
         return
     for name in LOG_FILES:
         if (source_run / name).is_file():
             shutil.copyfile(source_run / name, run_dir / name)
-    source = source_run / BEST_FILE
-    if best is None or not source.is_file():
-        return
-    try:
-        held = load_checkpoint(source).get("best")
-    except CheckpointError:
-        return  # damaged: this run writes its own at its next best evaluation
-    if held == best:  # each copy renamed into place whole, as every checkpoint is
-        for src, dst in (
-            (source, run_dir / BEST_FILE),
-            (sidecar(source), sidecar(run_dir / BEST_FILE)),
-        ):
-            data = src.read_bytes()
-            atomic_write(dst, lambda f, data=data: f.write(data))
 
 
 def write_json(path: Path, obj: Any) -> None:
