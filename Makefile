@@ -9,6 +9,8 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
+# the whole suite in parallel workers, one a core (at most 4), each test file in one worker
+XDIST ?= -n auto --maxprocesses 4 --dist loadfile
 
 .DEFAULT_GOAL := help
 .PHONY: help install train test test-fast test-cuda mutations verify bench gpu-check report lint format clean distclean
@@ -37,7 +39,7 @@ train: install ## train the default ConvNet on the synthetic data, strict mode (
 	$(PY) train.py $(ARGS)
 
 test: install ## run the whole test suite, as CI does (CUDA tests skip without a GPU)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: install ## the in-process tests only (about 20 s): for the edit-test loop
 	$(PY) -m pytest -m "not e2e and not cuda" $(PYTEST_ARGS)

@@ -18,24 +18,32 @@ from pathlib import Path
 import pytest
 import torch
 
+import launch
+
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = ROOT / "conf"
 # Strict mode's layer 0 needs these before the interpreter starts, and the in-process runs
 # of this suite are strict: pytest re-executes itself once with them, as train.py does.
 PINNED = {"PYTHONHASHSEED": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+# And for the whole session (every process it starts inherits it): OpenMP threads that wait
+# for work sleep instead of spinning, so that the test workers (`make test` runs pytest-xdist,
+# one worker a core) do not burn each other's cores while their runs' threads wait. It
+# changes when a thread wakes, not what it computes.
+SESSION = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if all(os.environ.get(k) == v for k, v in PINNED.items()):
+    wanted = {**PINNED, **SESSION}
+    if all(os.environ.get(k) == v for k, v in wanted.items()):
         return
     if os.environ.get("REPRO_TESTS_REEXECUTED"):
-        raise pytest.UsageError("tests: PYTHONHASHSEED/CUBLAS_WORKSPACE_CONFIG lost in re-exec")
+        raise pytest.UsageError(f"tests: {', '.join(wanted)} lost in re-exec")
     capture = config.pluginmanager.getplugin("capturemanager")
     if capture is not None:
         capture.stop_global_capturing()  # give the new process the terminal, not a capture file
     sys.stdout.flush()
     sys.stderr.flush()
-    env = {**os.environ, **PINNED, "REPRO_TESTS_REEXECUTED": "1"}
+    env = {**os.environ, **wanted, "REPRO_TESTS_REEXECUTED": "1"}
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
@@ -125,7 +133,7 @@ def run_train(
         # not depend on them (test_data, test_train, test_resume, test_dist prove it), so a
         # test that does not choose a loader loads in the main process.
         overrides = ("loader=single", *overrides)
-    proc = subprocess.run(
+    proc = launch.run(
         train_cmd(f"hydra.run.dir={run_dir}", *overrides, nproc=nproc),
         cwd=cwd or run_dir.parent,
         env=env or user_env(),

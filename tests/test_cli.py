@@ -7,11 +7,12 @@ import sys
 
 import pytest
 
+import launch
 from conftest import user_env
 
 
 def repro(*args):
-    return subprocess.run(
+    return launch.run(
         [sys.executable, "-m", "repro", *args], capture_output=True, text=True, env=user_env()
     )
 

@@ -5,12 +5,12 @@ import json
 import math
 import shutil
 import struct
-import subprocess
 import sys
 
 import pytest
 import torch
 
+import launch
 from conftest import SHORT, SMALL_DATA, train_here, user_env
 from repro.checkpoint import checkpoint_path
 from repro.compare import compare_dirs
@@ -19,7 +19,7 @@ from repro.trace import BackgroundDigests, state_digests
 
 
 def repro(*args):
-    return subprocess.run(
+    return launch.run(
         [sys.executable, "-m", "repro", *args], capture_output=True, text=True, env=user_env()
     )
 

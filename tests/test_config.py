@@ -1,13 +1,13 @@
 """The schema: composition, defaults, and one clear line for every bad value."""
 
 import shutil
-import subprocess
 
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
+import launch
 import repro.config  # noqa: F401  (registers the schema)
 from conftest import CONF_DIR, run_train, train_cmd, user_env
 from repro.config import check_overrides, config_hash, validate
@@ -178,7 +178,7 @@ def test_cli_errors_are_one_line_and_stop_before_any_work(tmp_path, override, ex
     ],
 )
 def test_a_bad_value_in_a_sweep_stops_the_whole_sweep_before_it_starts(tmp_path, sweep, expected):
-    proc = subprocess.run(
+    proc = launch.run(
         train_cmd("-m", sweep, "trainer.max_steps=1"),
         cwd=tmp_path,
         env=user_env(),
@@ -238,7 +238,7 @@ def test_an_experiment_preset_sets_its_groups_and_keys_and_overrides_still_win(t
     ids=["read-only", "proc", "too-long"],
 )
 def test_a_run_directory_that_cannot_be_created_is_one_line(tmp_path, run_dir, reason):
-    proc = subprocess.run(
+    proc = launch.run(
         train_cmd(f"hydra.run.dir={run_dir}", "trainer.max_steps=1"),
         cwd=tmp_path,
         env=user_env(),

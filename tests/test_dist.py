@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+import launch
 from conftest import Run, run_train, train_cmd, train_here, user_env, with_tests_on_path
 from repro.compare import compare_dirs
 from repro.config import compose
@@ -138,7 +139,7 @@ def test_preempted_two_process_run_resumes_in_one_process_with_the_same_bits(run
     steps = [*SMALL, "trainer.max_steps=30", "trainer.checkpoint_every=1000"]
     steps += ["trainer.log_every=1", "trainer.eval_every=15", "trainer.trace_every=10"]
     straight = train_here(tmp_path / "straight", *steps)
-    proc = subprocess.Popen(
+    proc = launch.popen(
         train_cmd(f"hydra.run.dir={run_dir}", *steps, nproc=2),
         cwd=tmp_path,
         env=user_env(),
@@ -204,7 +205,7 @@ def test_a_world_size_that_cannot_split_the_step_is_one_line(tmp_path):
 @pytest.mark.e2e
 def test_an_error_on_one_rank_stops_every_rank_with_its_message(tmp_path):
     run_dir = tmp_path / "fails"
-    proc = subprocess.run(
+    proc = launch.run(
         train_cmd(
             f"hydra.run.dir={run_dir}",
             *SMALL,
@@ -228,7 +229,7 @@ def test_an_error_on_one_rank_stops_every_rank_with_its_message(tmp_path):
 
 @pytest.mark.e2e
 def test_a_sweep_under_torchrun_is_refused(tmp_path):
-    proc = subprocess.run(
+    proc = launch.run(
         train_cmd("-m", "seed=0,1", f"hydra.sweep.dir={tmp_path / 'sweep'}", nproc=2),
         cwd=tmp_path,
         env=user_env(),

@@ -1,10 +1,10 @@
 """`repro doctor` names the nondeterministic module, and only it."""
 
-import subprocess
 import sys
 
 import pytest
 
+import launch
 from conftest import CONF_DIR, ROOT, user_env
 from repro.config import compose
 from repro.doctor import run_doctor
@@ -48,7 +48,7 @@ def test_names_the_op_without_a_deterministic_kernel_at_the_innermost_module():
 
 @pytest.mark.e2e
 def test_the_default_model_is_clean_and_the_command_says_so(tmp_path):
-    out = subprocess.run(
+    out = launch.run(
         [sys.executable, "-m", "repro", "doctor", *SMALL, "--repeats", "2"],
         cwd=ROOT,
         env=user_env(),
@@ -63,7 +63,7 @@ def test_the_default_model_is_clean_and_the_command_says_so(tmp_path):
 
 @pytest.mark.e2e
 def test_bad_overrides_are_one_line(tmp_path):
-    out = subprocess.run(
+    out = launch.run(
         [sys.executable, "-m", "repro", "doctor", "model=nope"],
         cwd=tmp_path,
         env=user_env(),

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import launch
 from conftest import (
     ROOT,
     SMALL_DATA,
@@ -35,7 +36,7 @@ TESTED = [
 
 
 def repro(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return launch.run(
         [sys.executable, "-m", "repro", *map(str, args)],
         cwd=ROOT,
         env=user_env(),

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import launch
 from conftest import (
     ROOT,
     SMALL_DATA,
@@ -81,7 +82,7 @@ def interrupt(
     """Start train.py and send `sig` from outside once `after` steps are on disk (with
     `group`, to its whole process group, loader workers included, as a terminal does).
     Returns (exit status, steps on disk when the signal was sent)."""
-    proc = subprocess.Popen(
+    proc = launch.popen(
         train_cmd(f"hydra.run.dir={run_dir}", *overrides),
         cwd=run_dir.parent,
         env=user_env(),
@@ -217,7 +218,7 @@ CTRL_C = [
 
 
 def ctrl_c_run(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return launch.run(
         train_cmd(f"hydra.run.dir={run_dir}", *CTRL_C, *extra),
         cwd=run_dir.parent,
         env=with_tests_on_path(),
@@ -318,7 +319,7 @@ def test_a_storm_of_kills_ends_on_the_uninterrupted_bits(straight, tmp_path):
         loader = "multi" if i % 2 == 0 else "single"
         overrides = [*SCENARIOS["mid-epoch"], f"loader={loader}", "trainer.resume=auto"]
         fault = {"REPRO_FAULT_KILL_AFTER_RENAME": "step-00000010.pt"} if kind == "sidecar" else {}
-        proc = subprocess.Popen(
+        proc = launch.popen(
             train_cmd(f"hydra.run.dir={run_dir}", *overrides),
             cwd=tmp_path,
             env=user_env(PYTHONPATH=faults, REPRO_FAULT_SLOW_FSYNC="0.3", **fault),
@@ -364,7 +365,7 @@ def test_a_crash_between_write_and_rename_leaves_the_previous_checkpoint(straigh
         f"sys.argv = [{str(ROOT / 'train.py')!r}, *sys.argv[1:]]\n"
         "runpy.run_path(sys.argv[0], run_name='__main__')\n"
     )
-    proc = subprocess.run(
+    proc = launch.run(
         [sys.executable, "-c", crash, f"hydra.run.dir={run_dir}", *overrides],
         env=user_env(),
         capture_output=True,
@@ -498,7 +499,7 @@ def test_a_checkpoint_carrying_code_is_refused_and_the_code_does_not_run(killed,
     save_checkpoint(evil, {"model": {}, "step": 30, "payload": Payload(marker)})
     assert not marker.exists()
 
-    out = subprocess.run(
+    out = launch.run(
         [sys.executable, "-m", "repro", "digest", str(evil)],
         env=user_env(),
         capture_output=True,
@@ -732,7 +733,7 @@ def test_sigusr2_is_handed_to_a_launcher_that_listens_after_the_checkpoint(strai
         "runpy.run_path(sys.argv[0], run_name='__main__')\n"
     )
     overrides = SCENARIOS["mid-epoch"]
-    proc = subprocess.Popen(
+    proc = launch.popen(
         [sys.executable, "-c", launcher, f"hydra.run.dir={run_dir}", *overrides],
         env=user_env(),
         stdout=subprocess.PIPE,
@@ -997,7 +998,7 @@ def test_a_preemption_signal_before_the_first_step_exits_75_with_a_line(phase, t
         args += ["~model", "+model._target_=sweep_models.TerminatedWhileBuilt"]
     else:
         args += ["model.width=8", "+logger.slow._target_=sweep_models.TerminatedWhileStarting"]
-    proc = subprocess.run(
+    proc = launch.run(
         train_cmd(f"hydra.run.dir={tmp_path / 'run'}", *args),
         cwd=tmp_path,
         env=with_tests_on_path(),

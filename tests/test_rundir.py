@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import launch
 from conftest import SMALL_DATA, run_train, train_cmd, train_here, user_env
 from repro.errors import ConfigError
 from repro.files import LOCK_FILE
@@ -134,7 +135,7 @@ def test_two_launches_into_one_directory_exactly_one_runs(tmp_path):
     procs = []
     for seed in (0, 1):
         procs.append(
-            subprocess.Popen(
+            launch.popen(
                 train_cmd(f"hydra.run.dir={run_dir}", *args, f"seed={seed}"),
                 cwd=tmp_path,
                 env=user_env(),
@@ -144,7 +145,7 @@ def test_two_launches_into_one_directory_exactly_one_runs(tmp_path):
             )
         )
         time.sleep(0.3)
-    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    results = [(p.wait(timeout=300), p.communicate()[1]) for p in procs]
     codes = sorted(code for code, _ in results)
     assert codes == [0, 1], results
     winner = next(seed for seed, (code, _) in enumerate(results) if code == 0)

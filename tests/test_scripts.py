@@ -6,11 +6,12 @@ import sys
 
 import pytest
 
+import launch
 from conftest import ROOT, user_env
 
 
 def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
-    out = subprocess.run(
+    out = launch.run(
         [sys.executable, str(ROOT / "scripts" / name), *args],
         capture_output=True,
         text=True,
@@ -212,7 +213,7 @@ def test_folder_benchmark_writes_the_lazy_row(tmp_path):
 
 @pytest.mark.e2e
 def test_profile_step_refuses_a_window_without_warm_up():
-    out = subprocess.run(
+    out = launch.run(
         [sys.executable, str(ROOT / "scripts" / "profile_step.py"), "--warmup", "0"],
         capture_output=True,
         text=True,
@@ -261,7 +262,7 @@ def test_the_reference_benchmark_without_a_gpu_is_one_line():
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA GPU is here: the benchmark would run")
-    out = subprocess.run(
+    out = launch.run(
         [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--reference"],
         capture_output=True,
         text=True,

@@ -7,12 +7,12 @@ in this process too where a process is not the point, else as a user does (train
 
 import json
 import signal
-import subprocess
 
 import numpy as np
 import pytest
 import torch
 
+import launch
 from conftest import Run, cuda, run_train, train_cmd, train_here, user_env, with_tests_on_path
 from repro.compare import compare_dirs
 from repro.data import (
@@ -397,7 +397,7 @@ def test_image_mask_folder_trains_the_same_with_any_loader(tmp_path):
 @pytest.mark.e2e
 def test_a_seed_sweep_reports_the_dice_distribution(tmp_path):
     sweep = tmp_path / "sweep"
-    proc = subprocess.run(
+    proc = launch.run(
         train_cmd("-m", *SEG, "loader=single", "seed=0,1", f"hydra.sweep.dir={sweep}"),
         cwd=tmp_path,
         env=user_env(),

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+import launch
 from conftest import ROOT, train_cmd, user_env
 from repro.report import describe, outliers, t_quantile, write_report
 
@@ -28,7 +29,7 @@ def sweep(cwd, *overrides):
         PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
     )
     cwd.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(
+    proc = launch.run(
         train_cmd("-m", *TINY, *overrides), cwd=cwd, env=env, capture_output=True, text=True
     )
     (sweep_dir,) = (cwd / "multirun").glob("*/*/")
@@ -36,7 +37,7 @@ def sweep(cwd, *overrides):
 
 
 def repro(*args, cwd=None):
-    return subprocess.run(
+    return launch.run(
         [sys.executable, "-m", "repro", *args],
         capture_output=True,
         text=True,

@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 
+import launch
 from conftest import (
     ROOT,
     SMALL_DATA,
@@ -100,7 +101,7 @@ def test_fast_and_amp_run_and_report_what_they_set(tmp_path):
 @pytest.mark.e2e
 def test_multirun_makes_one_directory_per_seed_named_by_seed(tmp_path):
     """Under paths.sweep_dir (conf/paths: where this machine writes runs)."""
-    proc = subprocess.run(
+    proc = launch.run(
         train_cmd("-m", "seed=0,1", *TINY, "paths.sweep_dir=sweeps"),
         cwd=tmp_path,
         env=user_env(),
@@ -144,7 +145,7 @@ def test_two_sweeps_in_the_same_second_do_not_collide(tmp_path):
     assert frozen != pattern
     cmd = train_cmd("-m", "seed=0", *TINY, "model.width=0", f"hydra.sweep.dir={frozen}")
     procs = [
-        subprocess.Popen(
+        launch.popen(
             cmd,
             cwd=tmp_path,
             env=user_env(),
@@ -155,7 +156,7 @@ def test_two_sweeps_in_the_same_second_do_not_collide(tmp_path):
         for _ in range(2)
     ]
     for p in procs:
-        assert p.wait(timeout=600) == 1 and "could not be built" in p.stderr.read()
+        assert p.wait(timeout=600) == 1 and "could not be built" in p.communicate()[1]
     jobs = sorted(tmp_path.glob("multirun/**/0_seed=0/error.json"))
     assert len(jobs) == 2 and jobs[0].parent != jobs[1].parent
 
@@ -207,7 +208,7 @@ def test_an_error_mid_run_leaves_no_loader_worker_behind(tmp_path):
 @pytest.mark.e2e
 def test_an_error_mid_run_ends_the_process_with_the_default_loader(tmp_path):
     failing = ["model._target_=sweep_models.FailsOnRank", "+model.fail_rank=0"]
-    proc = subprocess.run(
+    proc = launch.run(
         train_cmd(f"hydra.run.dir={tmp_path / 'x'}", *TINY, "trainer.max_steps=8", *failing),
         cwd=tmp_path,
         env=with_tests_on_path(),

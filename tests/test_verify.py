@@ -1,16 +1,16 @@
 """`make verify` (scripts/verify.py): PASS when the bits agree, FAIL (exit 1) when not."""
 
 import os
-import subprocess
 import sys
 
 import pytest
 
+import launch
 from conftest import ROOT, SMALL_DATA, user_env
 
 
 def verify(tmp_path, *args, env=None):
-    return subprocess.run(
+    return launch.run(
         [sys.executable, str(ROOT / "scripts" / "verify.py"), "--out", str(tmp_path), *args],
         capture_output=True,
         text=True,

@@ -1,0 +1,260 @@
+"""Start ``python ...`` processes for the tests, cheaply: :func:`run` and :func:`popen` take
+what :func:`subprocess.run` and :class:`subprocess.Popen` take, and start a ``python
+train.py ...``, ``python -m repro ...``, ``python scripts/x.py ...`` or ``python -c ...`` by
+forking an interpreter that has imported torch, Hydra and this package once
+(multiprocessing's forkserver), instead of starting one that imports them again: on the
+2-core CI machine that is about 4 s less per process, a few minutes per suite.
+
+A forked process is a process: its own pid, exit status, files, signal handlers, process
+group (``start_new_session``) and loader workers (forked from it, as from ``python
+train.py``); it runs the script as ``__main__`` with ``sys.argv`` as given. What it does not
+do is start an interpreter, so a command for which that is the point starts a real one:
+strict mode's re-execution (an environment without the pinned ``PYTHONHASHSEED``), a
+``sitecustomize`` on ``PYTHONPATH`` other than ``tests/faults`` (whose faults the fork
+installs itself), and torchrun.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+FAULTS = ROOT / "tests" / "faults"
+# imported once, in the server the processes are forked from
+PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "hydra",
+    "omegaconf",
+    "repro.loop",
+    "repro.cli",
+    "repro.compare",
+]
+# must be what the server started with: they are read when an interpreter starts
+AT_START = ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG", "PYTHONUNBUFFERED")
+
+_context: Any = None
+_outputs = Path(tempfile.mkdtemp(prefix="repro-launch-"))
+# the sys.path of a new interpreter before its script's folder and PYTHONPATH (the standard
+# library, site-packages, the editable install): not the test session's additions
+_BASE_PATH: list[str] = []
+
+
+def _server() -> Any:
+    global _context
+    if _context is None:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        probe = [sys.executable, "-c", "import sys; print(repr(sys.path[1:]))"]
+        _BASE_PATH[:] = eval(subprocess.run(probe, env=env, capture_output=True, text=True).stdout)
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+    return _context
+
+
+def _forkable(cmd: list[str], env: dict[str, str]) -> bool:
+    if len(cmd) < 2 or cmd[0] != sys.executable:
+        return False
+    if cmd[1] == "-m" and (len(cmd) < 3 or cmd[2] == "torch.distributed.run"):
+        return False
+    if cmd[1] not in ("-m", "-c") and not cmd[1].endswith(".py"):
+        return False
+    if any(env.get(k) != os.environ.get(k) for k in AT_START if k != "PYTHONUNBUFFERED"):
+        return False  # strict mode would re-execute: that must be a real interpreter
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return all(not (Path(p) / "sitecustomize.py").is_file() or Path(p) == FAULTS for p in paths)
+
+
+def _child(
+    cmd: list[str],
+    env: dict[str, str],
+    cwd: str,
+    fds: tuple[str, str, str],
+    session: bool,
+    base_path: list[str],
+) -> None:
+    """In the forked process: become ``python cmd[1:]`` in ``cwd`` with ``env``."""
+    if session:
+        os.setsid()
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    for target, path in enumerate(fds):
+        fd = os.open(path, os.O_RDONLY if target == 0 else os.O_WRONLY | os.O_APPEND)
+        os.dup2(fd, target)
+        os.close(fd)
+    multiprocessing.set_start_method(None, force=True)  # as unset as in a new interpreter
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    first = str(Path(cmd[1]).resolve().parent) if cmd[1].endswith(".py") else ""
+    sys.path[:] = [first, *paths, *base_path]
+    if str(FAULTS) in paths:  # what its sitecustomize does at an interpreter's start
+        runpy.run_path(str(FAULTS / "sitecustomize.py"))
+    code = 0
+    try:
+        if cmd[1] == "-m":
+            sys.argv = [cmd[2], *cmd[3:]]
+            runpy.run_module(cmd[2], run_name="__main__", alter_sys=True)
+        elif cmd[1] == "-c":
+            sys.argv = ["-c", *cmd[3:]]
+            exec(compile(cmd[2], "<string>", "exec"), {"__name__": "__main__"})
+        else:
+            sys.argv = cmd[1:]
+            runpy.run_path(cmd[1], run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        if not isinstance(stop.code, int | None):
+            print(stop.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
+
+
+class Forked:
+    """The :class:`subprocess.Popen` of a forked ``python`` process (no live pipes: what it
+    writes is read by :meth:`communicate` once it has ended)."""
+
+    def __init__(self, cmd, env, cwd, stdout, stderr, text, start_new_session) -> None:
+        self.args, self.text, self.returncode = cmd, text, None
+        self.stdout = self.stderr = None
+        out = err = os.devnull
+        self._read: list[Path | None] = [None, None]
+        if stdout is subprocess.PIPE:
+            out = self._file("out")
+            self._read[0] = Path(out)
+        if stderr is subprocess.PIPE:
+            err = self._file("err")
+            self._read[1] = Path(err)
+        elif stderr is subprocess.STDOUT:
+            err = out
+        elif stderr is None and stdout is None:
+            err = out = self._file("log")  # not read, but there to look at
+        context = _server()
+        self.process = context.Process(
+            target=_child,
+            args=(
+                list(cmd),
+                env,
+                str(cwd or os.getcwd()),
+                (os.devnull, out, err),
+                start_new_session,
+                _BASE_PATH,
+            ),
+        )
+        self.process.start()
+        self.pid = self.process.pid
+
+    @staticmethod
+    def _file(kind: str) -> str:
+        fd, path = tempfile.mkstemp(prefix=f"{kind}-", dir=_outputs)
+        os.close(fd)
+        return path
+
+    def poll(self) -> int | None:
+        if self.process.exitcode is not None:
+            self.returncode = self.process.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[Any, Any]:
+        self.wait(timeout)
+        outs = []
+        for path in self._read:
+            if path is None:
+                outs.append(None)
+                continue
+            data = path.read_bytes()
+            path.unlink()
+            outs.append(data.decode(errors="replace") if self.text else data)
+        return outs[0], outs[1]
+
+
+def popen(
+    cmd: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    cwd: Any = None,
+    stdout: Any = None,
+    stderr: Any = None,
+    text: bool = False,
+    start_new_session: bool = False,
+) -> Forked | subprocess.Popen:
+    """:class:`subprocess.Popen` of ``cmd``, forked when it can be (module docstring)."""
+    cmd = [str(c) for c in cmd]
+    env = dict(os.environ if env is None else env)
+    if not _forkable(cmd, env):
+        return subprocess.Popen(
+            cmd,
+            env=env,
+            cwd=cwd,
+            stdout=stdout,
+            stderr=stderr,
+            text=text,
+            start_new_session=start_new_session,
+        )
+    return Forked(cmd, env, cwd, stdout, stderr, text, start_new_session)
+
+
+def run(
+    cmd: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    cwd: Any = None,
+    capture_output: bool = False,
+    stdout: Any = None,
+    stderr: Any = None,
+    text: bool = False,
+    timeout: float | None = None,
+    check: bool = False,
+    start_new_session: bool = False,
+) -> subprocess.CompletedProcess:
+    """:func:`subprocess.run` of ``cmd``, forked when it can be (module docstring)."""
+    if capture_output:
+        stdout = stderr = subprocess.PIPE
+    proc = popen(
+        cmd,
+        env=env,
+        cwd=cwd,
+        stdout=stdout,
+        stderr=stderr,
+        text=text,
+        start_new_session=start_new_session,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    if check:
+        done.check_returncode()
+    return done
