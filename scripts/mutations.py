@@ -40,7 +40,7 @@ MUTATIONS = [
     Mutation(
         "sampler",
         "the sampler's start_step forced to 0 (a resumed run replays the first steps' data)",
-        "src/repro/data.py",
+        "src/repro/data/loading.py",
         "self.seed, self.start_step = seed, start_step",
         "self.seed, self.start_step = seed, 0",
         [
@@ -51,7 +51,7 @@ MUTATIONS = [
     Mutation(
         "flip",
         "an un-keyed random flip (drawn from the process's global generator)",
-        "src/repro/data.py",
+        "src/repro/data/augment.py",
         "draws[:, 2] & 1], 1",
         "torch.randint(0, 2, index.shape, device=index.device)], 1",
         [
@@ -85,7 +85,7 @@ MUTATIONS = [
     Mutation(
         "mask-stays",
         "a segmentation mask not cropped and flipped with its image",
-        "src/repro/data.py",
+        "src/repro/data/loading.py",
         "                targets = crop_flip_batch(targets[:, None], params, fill=IGNORE)[:, 0]\n",
         "                pass\n",
         ["tests/test_segmentation.py::test_masks_get_their_images_crop_and_flip"],

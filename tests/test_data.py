@@ -215,7 +215,7 @@ def test_cifar10_downloads_checks_the_md5_and_extracts(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="gave a file whose MD5 is .*, not the published"):
         cifar10(root=str(tmp_path / "a"), url=archive.as_uri())
     assert not (tmp_path / "a" / archive.name).exists()
-    monkeypatch.setattr(repro.data, "CIFAR10_MD5", hashlib.md5(archive.read_bytes()).hexdigest())
+    monkeypatch.setattr(repro.data.cifar, "CIFAR10_MD5", hashlib.md5(archive.read_bytes()).hexdigest())
     d = cifar10(root=str(tmp_path / "b"), url=archive.as_uri())
     assert len(d.train) == 100 and not (tmp_path / "b" / archive.name).exists()
 
@@ -364,7 +364,7 @@ def test_a_lazy_split_reads_files_when_fetched_and_stops_or_skips_a_bad_one(tmp_
         raise DataError(f"data: cannot read image {path}") from OSError(errno.EIO, "I/O error")
 
     with pytest.MonkeyPatch.context() as patch:  # the disk, not the file: never skipped
-        patch.setattr(repro.data, "read_image", disk_fails)
+        patch.setattr(repro.data.folders, "read_image", disk_fails)
         with pytest.raises(DataError, match="cannot read image"):
             split.fetch(torch.tensor([0]))
     with pytest.raises(DataError, match="data.on_bad_image='ignore' is invalid"):

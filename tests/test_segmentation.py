@@ -240,9 +240,9 @@ def test_image_mask_folder_is_read_lazily_with_its_masks(tmp_path, monkeypatch):
 
     source = write_folder(tmp_path / "data")
     reads = []
-    read_image = repro.data.read_image_sized
+    read_image = repro.data.folders.read_image_sized
     monkeypatch.setattr(
-        repro.data, "read_image_sized", lambda p, s: reads.append(p) or read_image(p, s)
+        repro.data.folders, "read_image_sized", lambda p, s: reads.append(p) or read_image(p, s)
     )
     d = image_mask_folder(str(tmp_path / "data"), num_classes=4, image_size=32, val_fraction=0.25)
     assert isinstance(d.train, LazyImageMasks) and isinstance(d, DataSplits)

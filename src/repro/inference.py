@@ -195,7 +195,7 @@ def _csv_field(name: str) -> str:
 
 def _write_masks(out: Path, names: list[str], masks: torch.Tensor) -> None:
     from repro.checkpoint import atomic_write
-    from repro.data import _pillow
+    from repro.data.folders import _pillow
 
     Image = _pillow()
     targets = [Path(name).with_suffix(".png") for name in names]

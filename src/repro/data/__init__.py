@@ -1,0 +1,85 @@
+"""Data: datasets, keyed augmentation, the resumable keyed sampler and the loaders.
+
+Layer 3 of the defense. The sampler yields micro-batches of *keys* ``(epoch, index)``, not
+bare indices; each sample's augmentation draws are a pure function of ``(seed, "augment",
+epoch, index)``. Which worker loads a sample, how many workers there are, and whether the
+batch is cut on the host or on the GPU cannot change them.
+
+=====================  ===============================================================
+``splits``             :class:`DataSplits` (what a dataset returns), in-memory splits
+``synthetic``          the embedded datasets (classification, segmentation shapes)
+``folders``            your images from disk: a folder per class, images with masks
+``cifar``              CIFAR-10 from its archive, without running pickled code
+``augment``            keyed augmentation
+``loading``            the keyed sampler, the micro-batches, the loaders
+=====================  ===============================================================
+
+A dataset is any function that returns :class:`DataSplits`; a config selects it with
+``_target_`` (``conf/data/``). Images are uint8 ``C×H×W``; they become floats on the device
+(:class:`DeviceNormalizer`). Targets are class indices, or per-pixel class masks ``H×W``
+that the augmentation moves with their image.
+"""
+
+from repro.data.augment import CROP_PAD, crop_flip_batch, keyed_crop_flip_params
+from repro.data.cifar import cifar10, read_cifar_batch
+from repro.data.folders import (
+    BAD_FILE_ERRNOS,
+    IMAGE_SUFFIXES,
+    LazyImageMasks,
+    LazyImages,
+    image_folder,
+    image_mask_folder,
+    read_image,
+    read_image_sized,
+    read_mask,
+)
+from repro.data.loading import (
+    DeviceBatches,
+    DeviceNormalizer,
+    KeyedBatches,
+    KeyedBatchSampler,
+    loading,
+    make_train_loader,
+)
+from repro.data.splits import (
+    IGNORE,
+    STATISTICS_SAMPLE,
+    DataSplits,
+    Split,
+    TensorImages,
+    channel_statistics,
+    statistics_sample,
+)
+from repro.data.synthetic import synthetic, synthetic_shapes
+
+__all__ = [
+    "BAD_FILE_ERRNOS",
+    "CROP_PAD",
+    "IGNORE",
+    "IMAGE_SUFFIXES",
+    "STATISTICS_SAMPLE",
+    "DataSplits",
+    "DeviceBatches",
+    "DeviceNormalizer",
+    "KeyedBatchSampler",
+    "KeyedBatches",
+    "LazyImageMasks",
+    "LazyImages",
+    "Split",
+    "TensorImages",
+    "channel_statistics",
+    "cifar10",
+    "crop_flip_batch",
+    "image_folder",
+    "image_mask_folder",
+    "keyed_crop_flip_params",
+    "loading",
+    "make_train_loader",
+    "read_cifar_batch",
+    "read_image",
+    "read_image_sized",
+    "read_mask",
+    "statistics_sample",
+    "synthetic",
+    "synthetic_shapes",
+]
