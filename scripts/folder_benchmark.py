@@ -4,17 +4,24 @@
     python scripts/folder_benchmark.py --sizes 2000 20000 --workers 2 4 8
     python scripts/folder_benchmark.py --sizes 2000 --workers 2 8 --repeats 3 --on-device \
         --steps 300 -- device=cuda amp=on
+    python scripts/folder_benchmark.py --sizes 2000 --sides 300 500 --image-size 224 \
+        --workers 4 8 12 --modes lazy --on-device --device-augment crop_flip --repeats 3 \
+        --steps 60 -- augment=imagenet '~model' +model._target_=torchvision.models.resnet50 \
+        trainer.channels_last=true amp=on trainer.batch_size=128 trainer.micro_batch_size=128
 
 Writes class folders of ``--image-size`` images (10 classes, PNG and JPEG, varied sizes;
-kept in ``--root`` for the next call), then trains ``--steps`` steps of the default
+or with ``--sides LOW HIGH`` JPEG files of LOW to HIGH pixels a side, as
+``scripts/augment_benchmark.py`` makes them; kept in ``--root`` for the next call), then
+trains ``--steps`` steps of the default
 ConvNet on each folder size, loader and mode, one process per run (``python train.py``):
 peak resident memory of the training process and of its largest child process (the
 kernel's ``ru_maxrss``; children are forked, so a child's peak counts the pages it still
 shares with the training process at the fork: the loader workers, and helpers such as
 ``git`` for the fingerprint), images/s over the steady steps, and the weights' digest (lazy and
 in-memory must give one digest per folder). ``--on-device`` adds the in-memory split kept on
-the GPU (``loader=device``): the loader's ratio to data already there says whether the GPU
-waits on the loader. ``--repeats`` runs every cell of a folder size in turn that many times
+the GPU (``loader=device``, with ``--device-augment`` as its augmentation if the others' cannot run
+on the device): the loader's ratio to data already there says whether the GPU waits on the
+loader. ``--repeats`` runs every cell of a folder size in turn that many times
 (median, min and max reported). Writes ``folder-<date>-<gpu or cpu>.md/.json`` under ``--out``.
 """
 
@@ -110,13 +117,29 @@ def main() -> None:
         help="in memory (main process, and workers[0] workers) and/or lazy (each of --workers)",
     )
     p.add_argument("--on-device", action="store_true", help="add the split kept on the GPU")
+    p.add_argument(
+        "--device-augment",
+        help="the on-device cell's augment preset (e.g. crop_flip, when the others' is imagenet)",
+    )
+    p.add_argument(
+        "--sides",
+        type=int,
+        nargs=2,
+        metavar=("LOW", "HIGH"),
+        help="JPEG files of LOW to HIGH pixels a side (default: --image-size, PNG and JPEG)",
+    )
     p.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "repro-folders")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks")
     p.add_argument("overrides", nargs="*", help="train.py overrides (after --)")
     args = p.parse_args()
     rows = []
     for n in args.sizes:
-        folder = make_folder(args.root, n, args.image_size)
+        if args.sides:
+            from augment_benchmark import make_folder as make_jpeg_folder
+
+            folder = make_jpeg_folder(args.root, n, *args.sides)
+        else:
+            folder = make_folder(args.root, n, args.image_size)
         base = [
             "data=image_folder",
             f"data.path={folder}",
@@ -139,7 +162,10 @@ def main() -> None:
                 ("lazy", w, ["loader=multi", f"loader.num_workers={w}"]) for w in args.workers
             ]
         if args.on_device:
-            cells.append(("on device", 0, ["data.in_memory=true", "loader=device"]))
+            device = ["data.in_memory=true", "loader=device"]
+            if args.device_augment:
+                device.append(f"augment={args.device_augment}")
+            cells.append(("on device", 0, device))
         runs: dict[int, list[dict]] = {i: [] for i in range(len(cells))}
         for repeat in range(args.repeats):  # every cell in turn: drift hits them alike
             for i, (mode, workers, extra) in enumerate(cells):
@@ -176,20 +202,28 @@ def main() -> None:
     env = rows[0]["environment"]
     for r in rows:
         del r["environment"]
+    source = (
+        f"JPEG files of {args.sides[0]}-{args.sides[1]} px a side, read at their own size, "
+        f"brought to {args.image_size}×{args.image_size} by the augmentation"
+        if args.sides
+        else f"{args.image_size}×{args.image_size} images (PNG and JPEG, varied sizes before "
+        "resizing)"
+    )
     lines = [
         f"# image_folder read per sample vs up front, {today()}",
         "",
         f"`{command_line()}`",
         "",
-        f"{environment_line(env)}. {args.image_size}×{args.image_size} images (PNG and JPEG, "
-        f"varied sizes before resizing), 10 classes, {args.steps} steps, the model and "
+        f"{environment_line(env)}. {source}, 10 classes, {args.steps} steps, the model and "
         "settings of the overrides in the command (none: the default ConvNet, batch 64), "
         "one `python train.py` process per row. Memory: peak resident set of the training "
         "process, and of its largest child (`ru_maxrss`; forked children, the loader workers "
         "and helpers, count the pages they share with the training process at the fork). "
         f"Memory is the largest over {args.repeats} repeat(s); img/s the median (min–max) "
         "of the repeats, every cell of a size in turn. *vs on device*: the median's ratio to the "
-        "split kept on the GPU (`loader=device`, `data.in_memory=true`). *Waits*: the median "
+        "split kept on the GPU (`loader=device`, `data.in_memory=true`"
+        + (f", `augment={args.device_augment}`" if args.device_augment else "")
+        + "). *Waits*: the median "
         "part of the steady steps the loop spent waiting for the loader "
         "(`summary.json` `loader_wait_fraction`).",
         "",

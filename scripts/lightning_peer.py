@@ -88,7 +88,7 @@ def main() -> None:
     task = build_task(cfg, splits)
     workers = int(cfg.loader.num_workers)
     loader = DataLoader(
-        Augmented(splits.train, splits.augment),
+        Augmented(splits.train, splits.train_pipeline.pipeline is not None),
         batch_size=int(t.micro_batch_size),
         shuffle=True,
         drop_last=True,

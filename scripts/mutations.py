@@ -85,9 +85,9 @@ MUTATIONS = [
     Mutation(
         "mask-stays",
         "a segmentation mask not cropped and flipped with its image",
-        "src/repro/data/loading.py",
-        "                targets = crop_flip_batch(targets[:, None], params, fill=IGNORE)[:, 0]\n",
-        "                pass\n",
+        "src/repro/data/augment.py",
+        "            targets = crop_flip_batch(targets[:, None], params, self.pad, fill=IGNORE)[:, 0]\n",
+        "            pass\n",
         ["tests/test_segmentation.py::test_masks_get_their_images_crop_and_flip"],
     ),
     Mutation(

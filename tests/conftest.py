@@ -218,4 +218,23 @@ def traced_runs(tmp_path_factory):
     }
 
 
+def mixed_image_folder(root: Path, corrupt: tuple[str, ...] = ()) -> Path:
+    """3 classes of 24 PNG and JPEG files of varied sizes (``corrupt``: file names, in every
+    class, whose bytes are not an image)."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(0)
+    for c, name in enumerate(["ant", "bee", "cow"]):
+        (root / name).mkdir(parents=True)
+        for i in range(24):
+            h, w = 12 + (i % 5) * 3, 14 + (i % 7) * 2
+            pixels = torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=g)
+            pixels[..., c] = 220  # a colour per class: learnable
+            path = root / name / f"{i:02d}{'.png' if i % 2 else '.jpg'}"
+            Image.fromarray(pixels.numpy()).save(path)
+            if path.name in corrupt:
+                path.write_bytes(b"not an image")
+    return root
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

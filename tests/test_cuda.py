@@ -239,3 +239,36 @@ def test_compiled_strict_on_cuda_repeats_with_any_loader(train_run):
     assert a.env["flags"]["inductor_deterministic"] is True
     eager = train_run("eager", *SHORT, "device=cuda", "amp=on", "trainer.channels_last=true")
     assert eager.summary["weights_sha256"] != a.summary["weights_sha256"]  # other kernels
+
+
+@pytest.mark.parametrize("augment", ["crop_flip", "imagenet", "torchvision"])
+def test_folder_images_of_their_own_sizes_augmented_on_cuda_give_one_digest(
+    augment, tmp_path, train_run
+):
+    """An image folder of mixed sizes, each augmentation preset: 2 loader workers vs the
+    main process (and for crop_flip the device loader too) give one digest on the GPU."""
+    from conftest import mixed_image_folder
+
+    if augment == "torchvision":
+        pytest.importorskip("torchvision")
+    folder = mixed_image_folder(tmp_path / "images")
+    args = [
+        "device=cuda",
+        "data=image_folder",
+        f"data.path={folder}",
+        "data.image_size=16",
+        f"augment={augment}",
+        "trainer.batch_size=16",
+        "trainer.micro_batch_size=8",
+        "trainer.max_steps=12",
+        "trainer.eval_every=6",
+        "model.width=8",
+    ]
+    single = train_run("single", *args, "loader=single")
+    multi = train_run("multi", *args, "loader=multi", "loader.num_workers=2")
+    runs = [multi]
+    if augment == "crop_flip":
+        runs.append(train_run("device", *args, "loader=device"))
+    for run in runs:
+        assert run.summary["weights_sha256"] == single.summary["weights_sha256"], run.dir.name
+        assert run.losses == single.losses

@@ -11,12 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_train, train_here
+from conftest import mixed_image_folder, run_train, train_here
 from repro.data import (
+    CropFlip,
     DataSplits,
     DeviceBatches,
     KeyedBatches,
     KeyedBatchSampler,
+    KeyedPipeline,
+    Resize,
     TensorImages,
     cifar10,
     image_folder,
@@ -54,7 +57,7 @@ def test_synthetic_classes_are_separable_by_their_mean_image():
 
 def test_augmentation_is_keyed_by_epoch_and_index():
     d = small()
-    ds = KeyedBatches(d.train, seed=0, augment=True)
+    ds = KeyedBatches(d.train, KeyedPipeline(CropFlip(), 0))
     images, labels = ds[[(0, 5)]]
     img = images[0]
     assert torch.equal(img, ds[[(0, 5)]][0][0])
@@ -65,9 +68,9 @@ def test_augmentation_is_keyed_by_epoch_and_index():
     others = [ds[[(e, 5)]][0][0] for e in range(1, 8)]
     assert any(not torch.equal(img, o) for o in others)  # a new crop/flip in other epochs
     assert torch.equal(batch[3], others[0])
-    other_seed = KeyedBatches(d.train, seed=1, augment=True)
+    other_seed = KeyedBatches(d.train, KeyedPipeline(CropFlip(), 1))
     assert any(not torch.equal(ds[[(e, 5)]][0], other_seed[[(e, 5)]][0]) for e in range(8))
-    plain = KeyedBatches(d.train, seed=0, augment=False)
+    plain = KeyedBatches(d.train, KeyedPipeline(None, 0))
     assert torch.equal(plain[[(3, 5)]][0][0], d.train.images[5])
 
 
@@ -105,7 +108,7 @@ def _batches(loader, n):
 )
 def test_loader_output_does_not_depend_on_worker_count(workers, persistent, prefetch):
     """The loader promise (docs/design.md): 0, 2 or 8 workers, prefetch, persistent workers."""
-    d = small()
+    d = small().with_augmentation(KeyedPipeline(CropFlip(), 0), KeyedPipeline(None, 0))
     single = _batches(make_train_loader(d, 0, 32, 16, _Loader(), pin_memory=False), 20)
     multi_cfg = _Loader()
     multi_cfg.num_workers, multi_cfg.persistent_workers = workers, persistent
@@ -129,15 +132,18 @@ def test_image_folder_reads_class_folders(tmp_path):
     pytest.importorskip("PIL")
     _write_images(tmp_path, ["cat", "dog", "emu"], 5)
     d = image_folder(str(tmp_path), image_size=16, val_fraction=0.2, seed=0, in_memory=True)
-    assert isinstance(d, DataSplits) and d.num_classes == 3
+    assert isinstance(d, DataSplits) and d.num_classes == 3 and d.image_size == 16
     assert len(d.train) + len(d.val) == 15 and len(d.val) == 3
-    assert d.train.images.shape[1:] == (3, 16, 16)
+    assert {tuple(i.shape) for i in d.train.images} == {(3, 12, 20)}  # kept at its own size
     lazy = image_folder(str(tmp_path), image_size=16, val_fraction=0.2, seed=0)
     every = torch.arange(len(d.val))
+    for data in (d, lazy):  # seen through the evaluation pipeline: at image_size
+        data.with_augmentation(KeyedPipeline(CropFlip(16), 0), KeyedPipeline(Resize(16), 0))
     assert all(
         torch.equal(a, b) for a, b in zip(lazy.val.fetch(every), d.val.fetch(every), strict=True)
     )
-    assert (lazy.mean, lazy.std) == (d.mean, d.std)
+    assert lazy.val.fetch(every)[0].shape == (3, 3, 16, 16)
+    assert lazy.normalisation() == d.normalisation()
     held = image_folder(str(tmp_path), image_size=16, val_fraction=0.2, seed=0, test_fraction=0.2)
     names = {s: {str(f) for f in getattr(held, s).files} for s in ("train", "val", "test")}
     assert len(names["test"]) == 3 and len(names["train"]) == 9
@@ -215,7 +221,9 @@ def test_cifar10_downloads_checks_the_md5_and_extracts(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="gave a file whose MD5 is .*, not the published"):
         cifar10(root=str(tmp_path / "a"), url=archive.as_uri())
     assert not (tmp_path / "a" / archive.name).exists()
-    monkeypatch.setattr(repro.data.cifar, "CIFAR10_MD5", hashlib.md5(archive.read_bytes()).hexdigest())
+    monkeypatch.setattr(
+        repro.data.cifar, "CIFAR10_MD5", hashlib.md5(archive.read_bytes()).hexdigest()
+    )
     d = cifar10(root=str(tmp_path / "b"), url=archive.as_uri())
     assert len(d.train) == 100 and not (tmp_path / "b" / archive.name).exists()
 
@@ -287,7 +295,7 @@ def test_the_device_loader_cuts_the_workers_micro_batches(targets, chunk_bytes, 
     split = TensorImages(images, torch.randint(0, 4, shape, generator=g))
     sampler = KeyedBatchSampler(dataset_size=20, batch_size=8, micro_batch_size=4, seed=3)
     sampler.start_step = 1  # 2 steps an epoch: steps 1-4 cross two epoch boundaries
-    dataset = KeyedBatches(split, seed=3, augment=True)
+    dataset = KeyedBatches(split, KeyedPipeline(CropFlip(), 3))
     keys = list(itertools.islice(iter(sampler), 8))
     cut = list(itertools.islice(iter(DeviceBatches(dataset, sampler)), 8))
     assert len({tensors_sha256(x) for x, _ in cut}) == 8  # the test sees different batches
@@ -323,44 +331,25 @@ def test_an_image_too_large_to_decode_names_its_file(tmp_path, monkeypatch):
         read_image(tmp_path / "huge.png", 16)
 
 
-def _mixed_folder(root, corrupt: tuple[str, ...] = ()):
-    """3 classes of 24 PNG and JPEG files of varied sizes (``corrupt``: file names, in every
-    class, whose bytes are not an image)."""
-    from PIL import Image
-
-    g = torch.Generator().manual_seed(0)
-    for c, name in enumerate(["ant", "bee", "cow"]):
-        (root / name).mkdir(parents=True)
-        for i in range(24):
-            h, w = 12 + (i % 5) * 3, 14 + (i % 7) * 2
-            pixels = torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=g)
-            pixels[..., c] = 220  # a colour per class: learnable
-            path = root / name / f"{i:02d}{'.png' if i % 2 else '.jpg'}"
-            Image.fromarray(pixels.numpy()).save(path)
-            if path.name in corrupt:
-                path.write_bytes(b"not an image")
-    return root
-
-
 def test_a_lazy_split_reads_files_when_fetched_and_stops_or_skips_a_bad_one(tmp_path):
     """stop: one line naming the file; skip: the next readable file (and its label) takes
     its place, the same one whoever reads it, named once in a warning."""
     pytest.importorskip("PIL")
     from repro.data import LazyImages, read_image
 
-    root = _mixed_folder(tmp_path / "images", corrupt=("03.png",))
+    root = mixed_image_folder(tmp_path / "images", corrupt=("03.png",))
     files = sorted(root.glob("ant/0[2-4].*"))  # 02.jpg, 03.png (bad), 04.jpg
     labels = torch.tensor([0, 1, 2])
     with pytest.raises(DataError, match=r"^data: cannot read image .*ant/03.png \("):
-        LazyImages(files, labels, 16, "stop").fetch(torch.tensor([1]))
-    split = LazyImages(files, labels, 16, "skip")
+        LazyImages(files, labels, "stop").fetch(torch.tensor([1]))
+    split = LazyImages(files, labels, "skip")
     images, got = split.fetch(torch.tensor([1, 0, 1]))
     assert got.tolist() == [2, 0, 2]  # 04.jpg's label came with its image
-    assert torch.equal(images[0], read_image(files[2], 16)) and torch.equal(images[0], images[2])
-    assert torch.equal(split.to(torch.device("cpu")).images[1], images[0])
+    assert torch.equal(images[0], read_image(files[2])) and torch.equal(images[0], images[2])
+    assert torch.equal(split.read_all().images[1], images[0])
     import repro.data
 
-    def disk_fails(path, size):
+    def disk_fails(path, size=None):
         raise DataError(f"data: cannot read image {path}") from OSError(errno.EIO, "I/O error")
 
     with pytest.MonkeyPatch.context() as patch:  # the disk, not the file: never skipped
@@ -391,7 +380,7 @@ def mixed(tmp_path_factory):
     """The mixed folder, and the run that reads it up front in the main process."""
     pytest.importorskip("PIL")
     base = tmp_path_factory.mktemp("mixed")
-    root = _mixed_folder(base / "images", corrupt=("05.png", "10.jpg"))
+    root = mixed_image_folder(base / "images", corrupt=("05.png", "10.jpg"))
     args = [*MIXED, f"data.path={root}"]
     return args, train_here(base / "memory", *args, "data.in_memory=true", "loader=single")
 
@@ -470,7 +459,7 @@ def test_skip_passes_over_symlinks_that_lead_nowhere_and_folders_named_like_imag
     """A dangling symlink, a symlink loop and a directory called x.png are bad files, not a
     failing disk: data.on_bad_image=skip skips them (each named once), stop names them."""
     pytest.importorskip("PIL")
-    root = _mixed_folder(tmp_path / "images")
+    root = mixed_image_folder(tmp_path / "images")
     (root / "ant" / "90.png").symlink_to(root / "ant" / "gone.png")  # dangling
     (root / "bee" / "91.png").symlink_to(root / "bee" / "91.png")  # a loop
     (root / "cow" / "92.png").mkdir()  # a folder named like an image
@@ -480,9 +469,13 @@ def test_skip_passes_over_symlinks_that_lead_nowhere_and_folders_named_like_imag
     assert bad <= {f.name for s in splits for f in s.files}  # listed: the splits do not change
     for split in splits:
         images, _ = split.fetch(torch.arange(len(split)))
-        assert images.shape[1:] == (3, 16, 16)
-    with pytest.raises(DataError, match=r"cannot read image .*/9[012]\.png"):
-        image_folder(str(root), image_size=16, val_fraction=0.5)  # stop: named, at once
+        assert len(images) == len(split) and all(i.shape[0] == 3 for i in images)
+    strict = image_folder(str(root), image_size=16, val_fraction=0.5)  # stop: named, at once
+    for split in (strict.train, strict.val):
+        for i, f in enumerate(split.files):
+            if f.name in bad:
+                with pytest.raises(DataError, match=rf"cannot read image .*/{f.name} \("):
+                    split.fetch(torch.tensor([i]))
 
 
 def test_an_image_above_pillows_pixel_limit_is_one_warning_naming_it(tmp_path, monkeypatch, caplog):

@@ -269,3 +269,21 @@ def test_the_reference_benchmark_without_a_gpu_is_one_line():
         env=user_env(),
     )
     assert out.returncode == 2 and "--reference needs a CUDA GPU" in out.stderr
+
+
+@pytest.mark.e2e
+def test_augment_benchmark_times_the_loader_keyed_and_unkeyed(tmp_path):
+    run_script(
+        "augment_benchmark.py",
+        *("--images", "40", "--min-side", "30", "--max-side", "50", "--workers", "0"),
+        *("--batch", "8", "--batches", "2", "--warmup", "1", "--repeats", "1"),
+        *("--root", str(tmp_path / "folders"), "--out", str(tmp_path / "out")),
+        *("--", "data.image_size=16"),
+    )
+    (record,) = [json.loads(p.read_text()) for p in (tmp_path / "out").glob("augment-*.json")]
+    (row,) = record["rows"]
+    assert row["workers"] == 0 and row["keyed"] > 0 and row["unkeyed"] > 0
+    assert record["keying"]["global_states_us"] > 0
+    assert len(list((tmp_path / "folders").rglob("*.jpg"))) == 40
+    table = next((tmp_path / "out").glob("augment-*.md")).read_text()
+    assert "| 0 |" in table and "keyed / unkeyed" in table

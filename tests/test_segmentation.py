@@ -17,9 +17,12 @@ from conftest import Run, cuda, run_train, train_cmd, train_here, user_env, with
 from repro.compare import compare_dirs
 from repro.data import (
     IGNORE,
+    CropFlip,
     DataSplits,
     KeyedBatches,
+    KeyedPipeline,
     LazyImageMasks,
+    Resize,
     TensorImages,
     image_mask_folder,
     synthetic_shapes,
@@ -209,7 +212,7 @@ def test_masks_get_their_images_crop_and_flip():
     g = torch.Generator().manual_seed(5)
     images = torch.randint(1, 256, (6, 3, 16, 16), dtype=torch.uint8, generator=g)
     masks = images[:, 0] % 4  # a mask that is a function of its image, pixel by pixel
-    batches = KeyedBatches(TensorImages(images, masks), seed=0, augment=True)
+    batches = KeyedBatches(TensorImages(images, masks), KeyedPipeline(CropFlip(), 0))
     keys = [(e, i) for e in range(3) for i in range(6)]
     out_images, out_masks = batches[keys]
     padded = out_images[:, 0] == 0  # the images hold no zero: 0 is the crop's padding
@@ -242,10 +245,14 @@ def test_image_mask_folder_is_read_lazily_with_its_masks(tmp_path, monkeypatch):
     reads = []
     read_image = repro.data.folders.read_image_sized
     monkeypatch.setattr(
-        repro.data.folders, "read_image_sized", lambda p, s: reads.append(p) or read_image(p, s)
+        repro.data.folders,
+        "read_image_sized",
+        lambda p, s=None: reads.append(p) or read_image(p, s),
     )
     d = image_mask_folder(str(tmp_path / "data"), num_classes=4, image_size=32, val_fraction=0.25)
     assert isinstance(d.train, LazyImageMasks) and isinstance(d, DataSplits)
+    assert reads == []  # listed, not read
+    d.with_augmentation(KeyedPipeline(CropFlip(32), 0), KeyedPipeline(Resize(32), 0))
     assert len(reads) == len(d.train)  # the normalisation's sample (all 18 < 256), nothing else
     reads.clear()
     d.train.fetch(torch.tensor([3]))
@@ -253,8 +260,8 @@ def test_image_mask_folder_is_read_lazily_with_its_masks(tmp_path, monkeypatch):
     assert len(d.train) == 18 and len(d.val) == 6 and d.in_channels == 3
     stems = [int(p.stem) for p in d.train.images]
     images, masks = d.train.fetch(torch.tensor([0, 1]))
-    assert torch.equal(masks, source.train.labels[stems[:2]])  # masks exact (PNG, nearest)
-    assert torch.equal(images, source.train.images[stems[:2]])  # same size: no resampling
+    assert torch.equal(torch.stack(masks), source.train.labels[stems[:2]])  # exact (PNG)
+    assert torch.equal(torch.stack(images), source.train.images[stems[:2]])
     assert d.test is None
     held = image_mask_folder(
         str(tmp_path / "data"), num_classes=4, image_size=32, val_fraction=0.25, test_fraction=0.25
@@ -307,7 +314,7 @@ def test_binary_masks_stored_as_0_and_255_need_a_map(tmp_path):
     one_bit = image_mask_folder(str(tmp_path / "d"), num_classes=2, val_fraction=0.5)
     split = one_bit.train if any(p.stem == "000" for p in one_bit.train.masks) else one_bit.val
     index = next(i for i, p in enumerate(split.masks) if p.stem == "000")
-    assert split.fetch(torch.tensor([index]))[1].max() == 1
+    assert split.fetch(torch.tensor([index]))[1][0].max() == 1
 
 
 def test_a_bad_mask_read_in_a_loader_worker_is_one_line(tmp_path):
@@ -532,4 +539,4 @@ def test_a_mask_whose_size_differs_from_its_image_is_one_line_naming_it(tmp_path
     ):
         split.fetch(torch.tensor([i]))
     ok = next(j for j in range(len(split)) if j != i)
-    assert split.fetch(torch.tensor([ok]))[1].shape == (1, 8, 8)
+    assert split.fetch(torch.tensor([ok]))[1][0].shape == (16, 20)  # its own size: H×W

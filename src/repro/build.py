@@ -31,7 +31,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from repro.config import LOOP_KEYS, locate
-from repro.data import DataSplits, DeviceBatches, make_train_loader
+from repro.data import DataSplits, DeviceBatches, KeyedPipeline, make_train_loader
+from repro.data.augment import check_pipelines
 from repro.dist import World, barrier, device_for
 from repro.ema import WeightAverage
 from repro.errors import ConfigError, DataError, ReproError
@@ -103,7 +104,32 @@ def build_data(cfg: DictConfig, world: World | None = None) -> DataSplits:
             "one (data.test_size for the synthetic sets, data.test_fraction for image_folder), "
             "or set trainer.test=false."
         )
-    return data
+    return build_augmentation(cfg, data)
+
+
+def build_augmentation(cfg: DictConfig, data: DataSplits) -> DataSplits:
+    """The ``augment`` group's pipelines, keyed by the training seed, attached to ``data``
+    (the training one for the loader, the evaluation one in front of the validation and
+    test splits), and checked on a sample before anything is written
+    (:func:`repro.data.augment.check_pipelines`: keyed, of ``data.image_size``)."""
+    node = cfg.get("augment") or {}
+    seed = int(cfg.seed)
+    built = {
+        part: KeyedPipeline(
+            instantiate_target(node[part], f"augment.{part}") if node.get(part) else None, seed
+        )
+        for part in ("train", "eval")
+    }
+    images, targets = data.train.fetch(torch.tensor([0]))
+    val_images, val_targets = data.val.fetch(torch.tensor([0]))
+    check_pipelines(
+        built["train"],
+        built["eval"],
+        (images[0], targets[0]),
+        (val_images[0], val_targets[0]),
+        data.image_size,
+    )
+    return data.with_augmentation(built["train"], built["eval"])
 
 
 def build_model(cfg: DictConfig, data: DataSplits, device: torch.device) -> nn.Module:

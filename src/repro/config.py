@@ -171,6 +171,7 @@ class TrainConfig:
     # signature in validate() (TARGET_GROUPS).
     model: Any = MISSING
     data: Any = MISSING
+    augment: Any = MISSING  # {train, eval}: each a _target_ pipeline (conf/augment/), or null
     task: Any = MISSING
     optim: Any = MISSING  # a _partial_ optimizer (torch.optim.SGD ...), called with the params
     schedule: Any = MISSING  # a _partial_ schedule, called with the optimizer
@@ -239,6 +240,7 @@ def validate(cfg: DictConfig) -> None:
     for group in TARGET_GROUPS:
         _validate_target(cfg, group)
     _validate_loggers(cfg.get("logger"))
+    _validate_augment(cfg)
     _validate_optim(cfg.optim)
     if cfg.schedule.get("warmup_steps", 0) < 0:
         _fail("schedule.warmup_steps", cfg.schedule.warmup_steps, "an integer >= 0")
@@ -403,6 +405,47 @@ def _validate_target(cfg: DictConfig, group: str) -> None:
             f"({type(err).__name__}); check the dotted path and that its package is installed."
         ) from None
     _check_arguments(group, node, target)
+
+
+GONE = {
+    "data.augment": (
+        "data.augment is gone: the augmentation is the augment config group: augment=crop_flip "
+        "(the default), augment=none (none at all), imagenet, segmentation, torchvision, or your "
+        "own (augment.train._target_=...; docs/extending.md#augmentation)"
+    ),
+}
+
+
+def _validate_augment(cfg: DictConfig) -> None:
+    """``augment.train`` and ``augment.eval``: each null or an importable ``_target_`` whose
+    arguments fit; ``data.augment`` (before the group) is named with its replacement."""
+    if "augment" in (cfg.get("data") or {}):
+        raise ConfigError(f"config error: {GONE['data.augment']}.")
+    node = cfg.get("augment")
+    if not isinstance(node, DictConfig) or set(node) - {"train", "eval"}:
+        keys = ", ".join(sorted(node)) if isinstance(node, DictConfig) else repr(node)
+        raise ConfigError(
+            f"config error: augment ({keys}) must hold train and eval pipelines (each a "
+            "_target_, or null); pick a preset: augment=crop_flip, none, imagenet, segmentation."
+        )
+    for part in ("train", "eval"):
+        entry = node.get(part)
+        if entry is None:
+            continue
+        if not isinstance(entry, DictConfig) or "_target_" not in entry:
+            raise ConfigError(
+                f"config error: augment.{part} has no _target_; give "
+                f"augment.{part}._target_=package.module.pipeline, or null for none."
+            )
+        try:
+            target = locate(entry._target_)
+        except Exception as err:
+            raise ConfigError(
+                f"config error: augment.{part}._target_={entry._target_!r} cannot be imported "
+                f"({type(err).__name__}); check the dotted path and that its package is "
+                "installed (torchvision: pip install -e '.[torchvision]')."
+            ) from None
+        _check_arguments(f"augment.{part}", entry, target)
 
 
 def _validate_loggers(node: Any) -> None:
@@ -598,6 +641,8 @@ def check_overrides(args: list[str], conf_dir: Path) -> None:
         return  # a syntax error: Hydra explains it
     for o in overrides:
         key = o.key_or_group
+        if key in GONE:
+            raise ConfigError(f"config error: {GONE[key]}.")
         if o.is_delete() or key.startswith("hydra") or "@" in key:
             continue
         if o.is_sweep_override() and not o.is_discrete_sweep():

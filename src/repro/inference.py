@@ -133,8 +133,9 @@ def predict(
     out: Path,
     force: bool = False,
 ) -> int:
-    """The model of ``checkpoint`` on every image under ``inputs`` (sorted paths, read and
-    resized as ``data.image_size`` RGB, normalised with the run's statistics), in batches of
+    """The model of ``checkpoint`` on every image under ``inputs`` (sorted paths, read as RGB
+    and brought to ``data.image_size`` by the run's evaluation pipeline, as its validation
+    images are; normalised with the run's statistics), in batches of
     ``trainer.eval_batch_size``, in evaluation mode (the weight average with ``trainer.ema``).
     Classification: ``out`` is a CSV of ``file, prediction`` and each class's probability
     (``repr`` floats: exact). Segmentation: ``out`` is a folder of ``<file>.png`` class masks.
@@ -146,10 +147,7 @@ def predict(
     files = sorted(p for p in inputs.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
         raise ConfigError(f"{inputs}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))}).")
-    size = cfg.data.get("image_size")
-    if size is None:
-        raise ConfigError(f"data ({cfg.data._target_}) has no image_size to read inputs at.")
-    data = build_data(cfg)  # its normalisation statistics
+    data = build_data(cfg)  # its evaluation pipeline and normalisation statistics
     state = load_checkpoint(checkpoint, map_location=device)
     settings_differ(state, cfg, device, force)  # as evaluate: the same bytes or a refusal
     training = restored(cfg, checkpoint, state, device, data)
@@ -161,7 +159,10 @@ def predict(
     model.eval()
     with torch.no_grad(), training.evaluated_weights():
         for i in range(0, len(files), batch):
-            images = torch.stack([read_image(p, int(size)) for p in files[i : i + batch]])
+            part = files[i : i + batch]
+            images = [read_image(p) for p in part]
+            index = torch.arange(i, i + len(part))
+            images, _ = data.eval_pipeline.samples(images, [0] * len(part), torch.zeros(1), index)
             x, _ = normalize(images, torch.zeros(len(images), dtype=torch.int64))
             with training.precision.autocast():
                 outputs = model(x)

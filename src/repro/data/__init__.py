@@ -20,7 +20,19 @@ A dataset is any function that returns :class:`DataSplits`; a config selects it 
 that the augmentation moves with their image.
 """
 
-from repro.data.augment import CROP_PAD, crop_flip_batch, keyed_crop_flip_params
+from repro.data.augment import (
+    CROP_PAD,
+    CenterResize,
+    Compose,
+    CropFlip,
+    KeyedPipeline,
+    RandomResizedCrop,
+    Resize,
+    SegmentationAugment,
+    albumentations,
+    crop_flip_batch,
+    keyed_crop_flip_params,
+)
 from repro.data.cifar import cifar10, read_cifar_batch
 from repro.data.folders import (
     BAD_FILE_ERRNOS,
@@ -40,11 +52,14 @@ from repro.data.loading import (
     KeyedBatchSampler,
     loading,
     make_train_loader,
+    on_device,
 )
 from repro.data.splits import (
     IGNORE,
     STATISTICS_SAMPLE,
+    Augmented,
     DataSplits,
+    ImageList,
     Split,
     TensorImages,
     channel_statistics,
@@ -55,6 +70,16 @@ from repro.data.synthetic import synthetic, synthetic_shapes
 __all__ = [
     "BAD_FILE_ERRNOS",
     "CROP_PAD",
+    "Augmented",
+    "CenterResize",
+    "Compose",
+    "CropFlip",
+    "ImageList",
+    "KeyedPipeline",
+    "RandomResizedCrop",
+    "Resize",
+    "SegmentationAugment",
+    "albumentations",
     "IGNORE",
     "IMAGE_SUFFIXES",
     "STATISTICS_SAMPLE",
@@ -75,6 +100,7 @@ __all__ = [
     "keyed_crop_flip_params",
     "loading",
     "make_train_loader",
+    "on_device",
     "read_cifar_batch",
     "read_image",
     "read_image_sized",

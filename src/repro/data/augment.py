@@ -1,12 +1,49 @@
-"""Keyed augmentation: every random draw of a sample's augmentation is a pure function of
-``(seed, "augment", epoch, index)``."""
+"""Augmentation, keyed per sample: the ``augment`` config group (``conf/augment/``).
+
+A pipeline is any callable built from a ``_target_`` (``augment.train``, ``augment.eval``):
+called with one sample, ``(image, target)`` -- a uint8 ``C×H×W`` tensor at the file's own
+size, and a class index or an ``H×W`` mask -- it returns the pair, the image now
+``data.image_size`` square. torchvision's v2 transforms are such callables as they are;
+albumentations' are, through :func:`albumentations`; so is your own function.
+
+**Keyed by construction** (:class:`KeyedPipeline`). Before a sample's pipeline runs, the
+global torch (CPU), NumPy (legacy) and Python ``random`` states are set from ``(seed,
+"augment", epoch, index)``, and put back afterwards: a transform that draws from them --
+torchvision's, most user code -- draws the same numbers for that sample in any worker, any
+process, after any resume, whatever it does not know about keys. A pipeline that accepts a
+``generator`` argument gets a ``torch.Generator`` keyed the same way; one that accepts
+``key`` gets ``(seed, epoch, index)`` itself. Before the first step the pipeline is run
+twice under one key and once under another (:func:`check_pipelines`): one with a private
+random state (``np.random.default_rng()`` made at construction) is refused in one line
+naming the transform.
+
+The shipped transforms draw only from their key, so they skip the global states:
+:class:`CropFlip` (today's pad, crop and flip: draws counted from the key, so a whole batch
+is one vectorised gather, on the host or on the GPU), :class:`Resize`,
+:class:`RandomResizedCrop` and :class:`CenterResize` (the ``imagenet`` preset), and
+:class:`SegmentationAugment` (geometry for image and mask together, intensity for the image).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
+import logging
+import math
+import random
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from repro.rng import keyed_draws
+from repro.data.splits import IGNORE
+from repro.errors import ConfigError, DataError
+from repro.rng import derive_seed, keyed_draws
+
+log = logging.getLogger("repro")
 
 CROP_PAD = 4
 
@@ -39,3 +76,526 @@ def keyed_crop_flip_params(
     return torch.stack(
         [draws[:, 0] % (2 * pad + 1), draws[:, 1] % (2 * pad + 1), draws[:, 2] & 1], 1
     )
+
+
+# ------------------------------------------------------------------- the shipped transforms
+
+
+def resize_image(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """A uint8 ``C×H×W`` image resized to ``size`` (h, w): bilinear with antialiasing, in
+    uint8 (PyTorch's fixed-point path): the same bytes wherever this CPU code runs."""
+    if tuple(image.shape[-2:]) == tuple(size):
+        return image
+    x = image[None].contiguous(memory_format=torch.channels_last)
+    out = F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)
+    return out[0].contiguous()
+
+
+def resize_mask(mask: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """An ``H×W`` class mask resized to ``size`` by nearest neighbour: no class invented."""
+    if tuple(mask.shape[-2:]) == tuple(size):
+        return mask
+    h, w = mask.shape[-2:]
+    rows = (torch.arange(size[0]) * h) // size[0]  # exact integer nearest, top-left aligned
+    cols = (torch.arange(size[1]) * w) // size[1]
+    return mask[rows[:, None], cols[None, :]]
+
+
+def _square(size: int | None, image: torch.Tensor) -> tuple[int, int]:
+    return (size, size) if size else tuple(image.shape[-2:])
+
+
+def _resized(image: torch.Tensor, target: Any, size: tuple[int, int]) -> tuple[torch.Tensor, Any]:
+    """Image and (if a mask) target resized to ``size``."""
+    image = resize_image(image, size)
+    if isinstance(target, torch.Tensor) and target.dim() == 2:
+        target = resize_mask(target, size)
+    return image, target
+
+
+class Resize:
+    """Every image (and mask) resized to ``size`` × ``size``, aspect ratio not kept (what
+    ``image_folder`` did when it read a file); None leaves the size as it is. No randomness:
+    an evaluation pipeline, and the first part of :class:`CropFlip`."""
+
+    keyed = True  # draws nothing: no global state to key
+
+    def __init__(self, size: int | None = None) -> None:
+        self.size = size
+
+    def __call__(self, image: torch.Tensor, target: Any) -> tuple[torch.Tensor, Any]:
+        return _resized(image, target, _square(self.size, image))
+
+    def keyed_batch(self, images, targets, seed, epochs, index):  # noqa: ANN001, ANN201
+        return images, targets  # a batch is stacked: already one size (see fits_batch)
+
+    def fits_batch(self, images: torch.Tensor) -> bool:
+        return self.size is None or tuple(images.shape[-2:]) == (self.size, self.size)
+
+
+class CropFlip(Resize):
+    """The default augmentation: resized to ``size`` (if not already), padded by ``pad``
+    pixels, cropped back at a random offset and flipped horizontally half the time; a mask
+    gets its image's very crop and flip, its border :data:`IGNORE`. The offsets and the flip
+    are counted from the sample's key (:func:`keyed_crop_flip_params`), so a whole batch is
+    one vectorised gather (:meth:`keyed_batch`), on the host or on the GPU
+    (``loader=device``), with the bytes of the sample-by-sample call."""
+
+    def __init__(self, size: int | None = None, pad: int = CROP_PAD) -> None:
+        super().__init__(size)
+        if pad < 0:
+            raise ConfigError(f"config error: augment.train.pad={pad} is invalid; allowed: >= 0.")
+        self.pad = pad
+
+    def __call__(
+        self, image: torch.Tensor, target: Any, *, key: tuple[int, int, int]
+    ) -> tuple[torch.Tensor, Any]:
+        image, target = super().__call__(image, target)
+        seed, epoch, index = key
+        one = torch.tensor([index])
+        is_mask = isinstance(target, torch.Tensor) and target.dim() == 2
+        images, targets = self.keyed_batch(
+            image[None],
+            target[None] if is_mask else torch.tensor([0]),
+            seed,
+            torch.tensor([epoch]),
+            one,
+        )
+        return images[0], targets[0] if is_mask else target
+
+    def keyed_batch(
+        self,
+        images: torch.Tensor,
+        targets: torch.Tensor,
+        seed: int,
+        epochs: torch.Tensor,
+        index: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A stacked batch (N×C×H×W, the targets N or N×H×W) on any device, cropped and
+        flipped with each sample's keyed draws."""
+        params = keyed_crop_flip_params(seed, epochs, index, self.pad)
+        images = crop_flip_batch(images, params, self.pad)
+        if targets.dim() == 3:  # per-pixel masks move with their images
+            targets = crop_flip_batch(targets[:, None], params, self.pad, fill=IGNORE)[:, 0]
+        elif targets.dim() != 1:
+            raise DataError(
+                f"augment: the crop and flip move class labels (N) and masks (N×H×W), not "
+                f"targets of shape {tuple(targets.shape)}; choose augment=none or a pipeline "
+                "of your own."
+            )
+        return images, targets
+
+
+class RandomResizedCrop:
+    """A random part of the image -- ``scale`` of its area, aspect ratio in ``ratio`` (log
+    uniform), as torchvision draws it -- resized to ``size`` × ``size``, and a horizontal
+    flip with probability ``flip`` (masks: nearest, the same crop and flip). Draws from the
+    keyed ``generator`` only."""
+
+    keyed = True
+
+    def __init__(
+        self,
+        size: int,
+        scale: Sequence[float] = (0.08, 1.0),
+        ratio: Sequence[float] = (3 / 4, 4 / 3),
+        flip: float = 0.5,
+    ) -> None:
+        if not size or size < 1 or not 0 < scale[0] <= scale[1] <= 1 or ratio[0] > ratio[1]:
+            raise ConfigError(
+                f"config error: augment RandomResizedCrop(size={size}, scale={list(scale)}, "
+                f"ratio={list(ratio)}) is invalid; allowed: size >= 1, 0 < scale[0] <= "
+                "scale[1] <= 1, ratio[0] <= ratio[1]."
+            )
+        self.size, self.scale, self.ratio, self.flip = int(size), tuple(scale), tuple(ratio), flip
+
+    def __call__(
+        self, image: torch.Tensor, target: Any, *, generator: torch.Generator
+    ) -> tuple[torch.Tensor, Any]:
+        h, w = image.shape[-2:]
+        top, left, ch, cw = self._box(h, w, generator)
+        image = image[:, top : top + ch, left : left + cw]
+        if isinstance(target, torch.Tensor) and target.dim() == 2:
+            target = target[top : top + ch, left : left + cw]
+        image, target = _resized(image, target, (self.size, self.size))
+        if float(torch.rand((), generator=generator)) < self.flip:
+            image = image.flip(-1)
+            if isinstance(target, torch.Tensor) and target.dim() == 2:
+                target = target.flip(-1)
+        return image, target
+
+    def _box(self, h: int, w: int, g: torch.Generator) -> tuple[int, int, int, int]:
+        area, log_ratio = h * w, (math.log(self.ratio[0]), math.log(self.ratio[1]))
+        for _ in range(10):
+            u = torch.rand(4, generator=g, dtype=torch.float64).tolist()
+            target_area = area * (self.scale[0] + u[0] * (self.scale[1] - self.scale[0]))
+            aspect = math.exp(log_ratio[0] + u[1] * (log_ratio[1] - log_ratio[0]))
+            cw = int(round(math.sqrt(target_area * aspect)))
+            ch = int(round(math.sqrt(target_area / aspect)))
+            if 0 < cw <= w and 0 < ch <= h:
+                return int(u[2] * (h - ch + 1)), int(u[3] * (w - cw + 1)), ch, cw
+        # no box fits in ten draws: the centre, with the ratio clamped (as torchvision does)
+        ratio = w / h
+        if ratio < self.ratio[0]:
+            cw, ch = w, int(round(w / self.ratio[0]))
+        elif ratio > self.ratio[1]:
+            ch, cw = h, int(round(h * self.ratio[1]))
+        else:
+            cw, ch = w, h
+        return (h - ch) // 2, (w - cw) // 2, ch, cw
+
+
+class CenterResize:
+    """The evaluation half of the ``imagenet`` preset: the shorter side resized to
+    ``resize`` (default: ``size`` × 256/224), then the centre ``size`` × ``size`` cut out."""
+
+    keyed = True
+
+    def __init__(self, size: int, resize: int | None = None) -> None:
+        self.size = int(size)
+        self.resize = int(resize or round(size * 256 / 224))
+
+    def __call__(self, image: torch.Tensor, target: Any) -> tuple[torch.Tensor, Any]:
+        h, w = image.shape[-2:]
+        scale = self.resize / min(h, w)
+        shape = (max(self.size, round(h * scale)), max(self.size, round(w * scale)))
+        image, target = _resized(image, target, shape)
+        top, left = (shape[0] - self.size) // 2, (shape[1] - self.size) // 2
+        image = image[:, top : top + self.size, left : left + self.size].contiguous()
+        if isinstance(target, torch.Tensor) and target.dim() == 2:
+            target = target[top : top + self.size, left : left + self.size].contiguous()
+        return image, target
+
+
+class SegmentationAugment:
+    """Segmentation's augmentation: the image and its mask resized to ``size``, then moved
+    together -- rotated by up to ``degrees``, scaled in ``scale``, shifted by up to
+    ``translate`` of the size, flipped horizontally half the time (the image bilinear, the
+    mask nearest, the pixels moved in from outside :data:`IGNORE` in the mask) -- then the
+    image alone brightened and contrasted by factors in ``1 ± brightness``, ``1 ±
+    contrast``. Draws from the keyed ``generator`` only."""
+
+    keyed = True
+
+    def __init__(
+        self,
+        size: int,
+        degrees: float = 15.0,
+        scale: Sequence[float] = (0.9, 1.1),
+        translate: float = 0.1,
+        flip: float = 0.5,
+        brightness: float = 0.2,
+        contrast: float = 0.2,
+    ) -> None:
+        self.size, self.degrees, self.scale = int(size), float(degrees), tuple(scale)
+        self.translate, self.flip = float(translate), float(flip)
+        self.brightness, self.contrast = float(brightness), float(contrast)
+
+    def __call__(
+        self, image: torch.Tensor, target: Any, *, generator: torch.Generator
+    ) -> tuple[torch.Tensor, Any]:
+        image, target = _resized(image, target, (self.size, self.size))
+        u = torch.rand(7, generator=generator, dtype=torch.float64).tolist()
+        angle = math.radians(self.degrees * (2 * u[0] - 1))
+        zoom = self.scale[0] + u[1] * (self.scale[1] - self.scale[0])
+        tx, ty = self.translate * (2 * u[2] - 1), self.translate * (2 * u[3] - 1)
+        mirror = -1.0 if u[4] < self.flip else 1.0
+        # where each output pixel comes from, in [-1, 1] coordinates: the inverse map
+        cos, sin = math.cos(angle) / zoom, math.sin(angle) / zoom
+        theta = torch.tensor([[mirror * cos, -sin, tx], [mirror * sin, cos, ty]])
+        grid = F.affine_grid(theta[None], [1, 1, self.size, self.size], align_corners=False)
+        moved = F.grid_sample(image[None].float(), grid, mode="bilinear", align_corners=False)
+        x = moved[0] * (1 + self.brightness * (2 * u[5] - 1))
+        mean = x.mean()
+        x = (x - mean) * (1 + self.contrast * (2 * u[6] - 1)) + mean
+        image = x.round().clamp(0, 255).to(torch.uint8)
+        if isinstance(target, torch.Tensor) and target.dim() == 2:
+            both = torch.stack([target.float(), torch.ones_like(target, dtype=torch.float32)])
+            moved = F.grid_sample(both[None], grid, mode="nearest", align_corners=False)[0]
+            inside = moved[1] > 0.5
+            target = torch.where(inside, moved[0], float(IGNORE)).to(target.dtype)
+        return image, target
+
+
+class Compose:
+    """Transforms one after another; each gets the ``key`` or ``generator`` it asks for."""
+
+    def __init__(self, transforms: Sequence[Callable]) -> None:
+        self.transforms = list(transforms)
+        self.keyed = all(getattr(t, "keyed", False) for t in self.transforms)
+
+    def __call__(
+        self, image: torch.Tensor, target: Any, *, key: tuple[int, int, int]
+    ) -> tuple[torch.Tensor, Any]:
+        for t in self.transforms:
+            image, target = _call(t, image, target, key)
+        return image, target
+
+
+def albumentations(transforms: Sequence[Any], **compose: Any) -> Callable:
+    """An albumentations pipeline (``pip install -e '.[albumentations]'``) as a pipeline of
+    this project: ``A.Compose(transforms, **compose)`` called on the image as HWC NumPy and
+    the mask (a class label passes by), reseeded from the sample's key before each call
+    (albumentations 2 draws from a generator of its own)."""
+    try:
+        import albumentations as A
+    except ImportError as err:
+        raise ConfigError(
+            "config error: augment with albumentations needs the albumentations package: "
+            "pip install -e '.[albumentations]'."
+        ) from err
+    return _Albumentations(A.Compose(list(transforms), **compose))
+
+
+class _Albumentations:
+    def __init__(self, compose: Any) -> None:
+        self.compose = compose
+        self.transforms = list(getattr(compose, "transforms", []))
+
+    def __call__(
+        self, image: torch.Tensor, target: Any, *, key: tuple[int, int, int]
+    ) -> tuple[torch.Tensor, Any]:
+        if hasattr(self.compose, "set_random_seed"):  # albumentations >= 2: its own generator
+            self.compose.set_random_seed(derive_seed(*key[:1], "augment-albumentations", *key[1:]))
+        mask = isinstance(target, torch.Tensor) and target.dim() == 2
+        inputs = {"image": np.ascontiguousarray(image.permute(1, 2, 0).numpy())}
+        if mask:
+            inputs["mask"] = target.numpy()
+        out = self.compose(**inputs)
+        image = torch.from_numpy(np.ascontiguousarray(out["image"])).permute(2, 0, 1)
+        if mask:
+            target = torch.from_numpy(np.ascontiguousarray(out["mask"]))
+        return image.contiguous(), target
+
+
+# --------------------------------------------------------------------------- keying
+
+
+def _accepts(fn: Callable, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params
+
+
+def _call(fn: Callable, image: torch.Tensor, target: Any, key: tuple[int, int, int]) -> Any:
+    """``fn(image, target)``, with the ``key`` or keyed ``generator`` it accepts."""
+    kwargs: dict[str, Any] = {}
+    if _accepts(fn, "key"):
+        kwargs["key"] = key
+    if _accepts(fn, "generator"):
+        seed, epoch, index = key
+        kwargs["generator"] = torch.Generator().manual_seed(
+            derive_seed(seed, "augment-generator", epoch, index)
+        )
+    return fn(image, target, **kwargs)
+
+
+@contextlib.contextmanager
+def keyed_global_state(seed: int, epoch: int, index: int) -> Iterator[None]:
+    """Inside: the global torch (CPU), NumPy (legacy) and ``random`` states set from
+    ``(seed, "augment", epoch, index)``; afterwards, what they were."""
+    saved = torch.get_rng_state(), np.random.get_state(), random.getstate()
+    value = derive_seed(seed, "augment-global", epoch, index)
+    torch.default_generator.manual_seed(value)  # the CPU's only: CUDA's are the forward's
+    np.random.seed([value & 0xFFFFFFFF, value >> 32])
+    random.seed(value)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(saved[0])
+        np.random.set_state(saved[1])
+        random.setstate(saved[2])
+
+
+class KeyedPipeline:
+    """A built pipeline and the training seed: called with a sample and its key ``(epoch,
+    index)``, it runs the pipeline keyed (see the module docstring) and checks what comes
+    out (a uint8 C×H×W image, a mask of the image's size)."""
+
+    def __init__(self, pipeline: Callable | None, seed: int, purpose: str = "augment") -> None:
+        self.pipeline, self.seed, self.purpose = pipeline, seed, purpose
+        # a pipeline of shipped transforms draws only from its key: no global state to set
+        self.own_keys = pipeline is None or bool(getattr(pipeline, "keyed", False))
+
+    @property
+    def name(self) -> str:
+        return _name(self.pipeline)
+
+    def __call__(self, image: torch.Tensor, target: Any, epoch: int, index: int) -> Any:
+        if self.pipeline is None:
+            return image, target
+        key = (self.seed, int(epoch), int(index))
+        if self.own_keys:
+            out = _call(self.pipeline, image, target, key)
+        else:
+            with keyed_global_state(*key):
+                out = _call(self.pipeline, image, target, key)
+        return _checked(out, self.name)
+
+    @property
+    def size(self) -> int | None:
+        return getattr(self.pipeline, "size", None)
+
+    @property
+    def device_capable(self) -> bool:
+        """Can it run on a batch on the device (``loader=device``): none, or a pipeline
+        whose draws are counted from the key, a batch at once (:class:`CropFlip`)."""
+        p = self.pipeline
+        return p is None or (hasattr(p, "keyed_batch") and hasattr(p, "fits_batch"))
+
+    def batched(self, images: Any) -> bool:
+        """Can a stacked batch take the vectorised path (:meth:`keyed_batch`)?"""
+        fits = getattr(self.pipeline, "fits_batch", None)
+        return isinstance(images, torch.Tensor) and (
+            self.pipeline is None or fits is not None and fits(images)
+        )
+
+    def keyed_batch(self, images: torch.Tensor, targets: torch.Tensor, epochs, index):  # noqa: ANN001, ANN201
+        if self.pipeline is None:
+            return images, targets
+        return self.pipeline.keyed_batch(images, targets, self.seed, epochs, index)
+
+    def samples(self, images: Any, targets: Any, epochs: torch.Tensor, index: torch.Tensor):  # noqa: ANN201
+        """Each sample of a fetch through the pipeline, stacked."""
+        epochs = epochs.expand(len(index)) if epochs.numel() == 1 else epochs
+        out = [
+            self(images[i], targets[i], int(epochs[i]), int(index[i])) for i in range(len(index))
+        ]
+        return stack([o[0] for o in out], self.name), stack_targets([o[1] for o in out])
+
+
+def _name(pipeline: Any) -> str:
+    if pipeline is None:
+        return "none"
+    kind = type(pipeline)
+    if isinstance(pipeline, functools.partial):
+        return _name(pipeline.func)
+    if inspect.isfunction(pipeline):
+        return f"{pipeline.__module__}.{pipeline.__qualname__}"
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _checked(out: Any, name: str) -> tuple[torch.Tensor, Any]:
+    if not (isinstance(out, tuple | list) and len(out) == 2):
+        raise DataError(
+            f"augment: {name} returned {type(out).__name__}, not (image, target); a pipeline "
+            "takes one sample's (image, target) and returns the pair."
+        )
+    image, target = out
+    if not isinstance(image, torch.Tensor) or image.dtype != torch.uint8 or image.dim() != 3:
+        what = (
+            f"a {image.dtype} tensor of shape {tuple(image.shape)}"
+            if isinstance(image, torch.Tensor)
+            else type(image).__name__
+        )
+        raise DataError(
+            f"augment: {name} returned {what} as the image, not a uint8 C×H×W tensor; end "
+            "the pipeline on one (torchvision: no ToDtype/Normalize, the loop normalises)."
+        )
+    if isinstance(target, torch.Tensor) and target.dim() == 2 and target.shape != image.shape[1:]:
+        raise DataError(
+            f"augment: {name} returned a {tuple(target.shape)} mask for a "
+            f"{tuple(image.shape[1:])} image; geometric transforms must move the mask too."
+        )
+    return image, target
+
+
+def stack(images: list[torch.Tensor], name: str) -> torch.Tensor:
+    shapes = {tuple(i.shape) for i in images}
+    if len(shapes) > 1:
+        raise DataError(
+            f"augment: {name} returned images of several sizes "
+            f"({', '.join(str(x) for x in sorted(shapes)[:3])}); end the pipeline with a resize "
+            "or crop to data.image_size."
+        )
+    return torch.stack(images)
+
+
+def stack_targets(targets: list[Any]) -> torch.Tensor:
+    if isinstance(targets[0], torch.Tensor) and targets[0].dim() == 2:
+        return torch.stack(targets)
+    return torch.tensor([int(t) for t in targets], dtype=torch.int64)
+
+
+# ------------------------------------------------------------------ the check before step 1
+
+
+# calls under one key before step 1: a private coin flip goes unseen with chance 2**-(n-1)
+REPEATS = 8
+
+
+def check_pipelines(
+    train: KeyedPipeline,
+    evaluation: KeyedPipeline,
+    sample: tuple[torch.Tensor, Any],
+    val_sample: tuple[torch.Tensor, Any],
+    size: int | None,
+) -> None:
+    """Before the first step (nothing written yet): the training pipeline gives one output
+    for one key, :data:`REPEATS` times (else it has a random state of its own: one line
+    naming the transform), and
+    both pipelines give ``size`` × ``size`` images. A pipeline that gives one output for two
+    keys is not random: logged, not refused."""
+    a, c = train(*sample, 0, 0), train(*sample, 0, 1)
+    # a private generator that draws little (a coin flip) can repeat itself: several calls
+    if any(not _same(a, train(*sample, 0, 0)) for _ in range(REPEATS - 1)):
+        culprit = _first_unkeyed(train, sample) or train.name
+        raise ConfigError(
+            f"augment.train: {culprit} gives two outputs for one sample and key: it draws from "
+            "a random state of its own (a np.random.default_rng() or random.Random made at "
+            "construction?), which no key reaches; draw from the global np.random, random or "
+            "torch generators, or accept a `generator` argument (docs/extending.md#augmentation)."
+        )
+    if _same(a, c):
+        log.info(f"augment.train: {train.name} gives one output under two keys: not random")
+    for which, pipeline, (image, _) in (
+        ("train", train, a),
+        ("eval", evaluation, evaluation(*val_sample, 0, 0)),
+    ):
+        if size and tuple(image.shape[1:]) != (size, size):
+            raise ConfigError(
+                f"augment.{which}: {pipeline.name} gives {tuple(image.shape[1:])} images where "
+                f"data.image_size={size} asks for ({size}, {size}); end it with a resize or "
+                "crop to data.image_size."
+            )
+
+
+def _same(x: tuple[torch.Tensor, Any], y: tuple[torch.Tensor, Any]) -> bool:
+    def equal(u: Any, v: Any) -> bool:
+        if isinstance(u, torch.Tensor) or isinstance(v, torch.Tensor):
+            return (
+                isinstance(u, torch.Tensor)
+                and isinstance(v, torch.Tensor)
+                and (u.shape == v.shape and torch.equal(u, v))
+            )
+        return u == v
+
+    return equal(x[0], y[0]) and equal(x[1], y[1])
+
+
+def _first_unkeyed(pipeline: KeyedPipeline, sample: tuple[torch.Tensor, Any]) -> str | None:
+    """The first transform of a composed pipeline (``.transforms``: torchvision's, ours,
+    albumentations') that gives two outputs for one key, run on what the ones before it
+    gave."""
+    parts = getattr(pipeline.pipeline, "transforms", None)
+    if not isinstance(parts, list | tuple):
+        return None
+    image, target = sample
+    for part in parts:
+        one = KeyedPipeline(part, pipeline.seed)
+        try:
+            first = _call_part(one, image, target)
+            if any(not _same(first, _call_part(one, image, target)) for _ in range(REPEATS - 1)):
+                return _name(part)
+        except Exception:  # a part that cannot run alone on this input: name the whole
+            return None
+        image, target = first
+    return None
+
+
+def _call_part(one: KeyedPipeline, image: torch.Tensor, target: Any) -> Any:
+    key = (one.seed, 0, 0)
+    with keyed_global_state(*key):
+        return _call(one.pipeline, image, target, key)

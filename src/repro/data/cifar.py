@@ -24,7 +24,6 @@ CIFAR10_DIR = "cifar-10-batches-py"
 def cifar10(
     root: str = "data/cifar10",
     download: bool = True,
-    augment: bool = True,
     url: str = CIFAR10_URL,
 ) -> DataSplits:
     """CIFAR-10 from the standard extracted ``cifar-10-batches-py`` folder under ``root``:
@@ -51,9 +50,9 @@ def cifar10(
         load([f"data_batch_{i}" for i in range(1, 6)]),
         load(["test_batch"]),
         10,
-        augment,
         mean=(0.4914, 0.4822, 0.4465),
         std=(0.2470, 0.2435, 0.2616),
+        image_size=32,
     )
 
 

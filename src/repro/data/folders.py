@@ -12,14 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from repro.data.splits import (
-    IGNORE,
-    STATISTICS_SAMPLE,
-    DataSplits,
-    Split,
-    TensorImages,
-    channel_statistics,
-)
+from repro.data.splits import IGNORE, DataSplits, ImageList, Split
 from repro.errors import DataError
 from repro.rng import keyed_permutation
 
@@ -46,7 +39,6 @@ def image_folder(
     image_size: int = 32,
     val_fraction: float = 0.1,
     seed: int = 1234,
-    augment: bool = True,
     in_memory: bool = False,
     on_bad_image: str = "stop",
     test_fraction: float = 0.0,
@@ -55,11 +47,11 @@ def image_folder(
 
     Classes and files are taken in sorted order and the validation split is a permutation
     keyed by ``seed``, so the same folder gives the same splits everywhere. Each image is
-    read and resized to ``image_size``×``image_size`` RGB when fetched, in the loader's
-    workers (:class:`LazyImages`: memory does not grow with the folder), or, with
-    ``in_memory``, all of them once, up front (faster for a small folder). Both read every
-    file with the same function and normalise with the statistics of the same first
-    training images (:data:`STATISTICS_SAMPLE`), so they give the same bits.
+    read (RGB, at its own size) when fetched, in the loader's workers (:class:`LazyImages`:
+    memory does not grow with the folder), or, with ``in_memory``, all of them once, up
+    front, kept as they are (:class:`ImageList`: faster for a small folder); the ``augment``
+    pipelines bring them to ``image_size``×``image_size``. Both read every file with the same
+    function, so they give the same bits.
 
     ``test_fraction``: a test split held out of the training files by another keyed
     permutation (the validation split stays the one without it; trainer.test, repro
@@ -101,22 +93,15 @@ def image_folder(
     )
 
     def split(index: torch.Tensor) -> Split:
-        lazy = LazyImages([files[i][0] for i in index], labels[index], image_size, on_bad_image)
-        return lazy.to(torch.device("cpu")) if in_memory else lazy
+        lazy = LazyImages([files[i][0] for i in index], labels[index], on_bad_image)
+        return lazy.read_all() if in_memory else lazy
 
-    train = split(train_idx)
-    # the same first training images, in memory or not (statistics_sample would take all of
-    # an in-memory split): the same statistics, so the same bits
-    first = torch.arange(min(len(train), STATISTICS_SAMPLE))
-    mean, std = channel_statistics(train.fetch(first)[0])
     return DataSplits(
-        train,
+        split(train_idx),
         split(val_idx),
         len(classes),
-        augment,
-        mean=mean,
-        std=std,
         test=split(test_idx) if test_idx is not None else None,
+        image_size=image_size,
     )
 
 
@@ -143,39 +128,35 @@ BAD_IMAGE_CHOICES = ("stop", "skip")
 
 
 class LazyImages:
-    """A split of labelled image files read when fetched: in the loader's workers during
-    training, so memory does not grow with the dataset. Same interface as
-    :class:`TensorImages` (``len``, ``fetch``, ``channels``; ``to`` reads it all in).
+    """A split of labelled image files read when fetched (RGB, each at its own size): in the
+    loader's workers during training, so memory does not grow with the dataset.
     ``on_bad_image="skip"``: a file that cannot be read is replaced by the next readable
     file in the split's order (its label with it), named once per process in a warning."""
 
     channels = 3
     device = torch.device("cpu")
 
-    def __init__(
-        self, files: list[Path], labels: torch.Tensor, image_size: int, on_bad_image: str
-    ) -> None:
-        self.files, self.labels = files, labels
-        self.image_size, self.on_bad_image = image_size, on_bad_image
+    def __init__(self, files: list[Path], labels: torch.Tensor, on_bad_image: str) -> None:
+        self.files, self.labels, self.on_bad_image = files, labels, on_bad_image
         self._skipped: set[int] = set()
 
     def __len__(self) -> int:
         return len(self.files)
 
-    def fetch(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def fetch(self, index: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         read = [self._read(i) for i in index.tolist()]
-        images = torch.stack([image for _, image in read])
+        images = [image for _, image in read]
         return images, self.labels[torch.tensor([j for j, _ in read], dtype=torch.int64)]
 
     def _read(self, i: int) -> tuple[int, torch.Tensor]:
         """(the file actually read, its image): ``i``, or with ``skip`` the next readable."""
         if self.on_bad_image == "stop":
-            return i, read_image(self.files[i], self.image_size)
+            return i, read_image(self.files[i])
         n = len(self.files)
         for j in (i + k for k in range(n)):
             j %= n
             try:
-                return j, read_image(self.files[j], self.image_size)
+                return j, read_image(self.files[j])
             except DataError as err:
                 cause = err.__cause__
                 if isinstance(cause, OSError) and cause.errno not in (None, *BAD_FILE_ERRNOS):
@@ -185,10 +166,10 @@ class LazyImages:
                     log.warning(f"{err} Skipped (data.on_bad_image=skip): the next file instead.")
         raise DataError(f"data: none of the {n} files of a split can be read; check data.path.")
 
-    def to(self, device: torch.device) -> TensorImages:
-        """The whole split in memory on ``device`` (``in_memory``, ``loader=device``)."""
+    def read_all(self) -> ImageList:
+        """The whole split read into memory, each image at its own size (``in_memory``)."""
         images, labels = self.fetch(torch.arange(len(self)))
-        return TensorImages(images, labels).to(device)
+        return ImageList(images, labels)
 
 
 # errno values that say a file is bad -- a symlink to nowhere or in a loop, a folder named
@@ -204,12 +185,13 @@ def _pillow():
     return Image
 
 
-def read_image(path: Path, size: int) -> torch.Tensor:
-    """An image file as uint8 3×size×size (RGB, resized bilinearly)."""
+def read_image(path: Path, size: int | None = None) -> torch.Tensor:
+    """An image file as uint8 3×H×W (RGB) at its own size, or resized bilinearly to
+    ``size``×``size``."""
     return read_image_sized(path, size)[0]
 
 
-def read_image_sized(path: Path, size: int) -> tuple[torch.Tensor, tuple[int, int]]:
+def read_image_sized(path: Path, size: int | None = None) -> tuple[torch.Tensor, tuple[int, int]]:
     """:func:`read_image`, and the file's own width and height."""
     Image = _pillow()
     try:
@@ -218,13 +200,16 @@ def read_image_sized(path: Path, size: int) -> tuple[torch.Tensor, tuple[int, in
             with Image.open(path) as im:
                 _warn_if_large(path, im.width, im.height, Image.MAX_IMAGE_PIXELS)
                 original = (im.width, im.height)
-                im = im.convert("RGB").resize((size, size), Image.BILINEAR)
+                im = im.convert("RGB")
+                if size is not None:
+                    im = im.resize((size, size), Image.BILINEAR)
                 data = bytearray(im.tobytes())
+                shape = (im.height, im.width, 3)
     except Exception as err:  # OSError, PIL's DecompressionBombError, a decoder's ValueError
         raise DataError(
             f"data: cannot read image {path} ({type(err).__name__}: {err}); remove or fix the file."
         ) from err
-    image = torch.frombuffer(data, dtype=torch.uint8).view(size, size, 3).permute(2, 0, 1)
+    image = torch.frombuffer(data, dtype=torch.uint8).view(shape).permute(2, 0, 1).contiguous()
     return image, original
 
 
@@ -245,15 +230,13 @@ def _warn_if_large(path: Path, width: int, height: int, limit: int | None) -> No
 
 def read_mask(
     path: Path,
-    size: int,
     num_classes: int,
     mask_map: dict[int, int] | None = None,
     image: tuple[Path, tuple[int, int]] | None = None,
 ) -> torch.Tensor:
-    """A mask PNG of class indices as uint8 size×size (resized nearest: no invented
-    classes), its values mapped by ``mask_map`` first. Values are classes ``0 ..
-    num_classes - 1`` or :data:`IGNORE` (not scored). ``image``: its image's path and
-    width and height, which the mask must have."""
+    """A mask PNG of class indices as uint8 H×W at its own size, its values mapped by
+    ``mask_map``. Values are classes ``0 .. num_classes - 1`` or :data:`IGNORE` (not
+    scored). ``image``: its image's path and width and height, which the mask must have."""
     Image = _pillow()
     try:
         with Image.open(path) as im:
@@ -268,7 +251,6 @@ def read_mask(
                     f"data: mask {path} is {w}×{h} but its image {image[0]} is {iw}×{ih}; a "
                     "mask must have its image's size: fix or remove the pair."
                 )
-            im = im.resize((size, size), Image.NEAREST)
             mask = torch.from_numpy(np.array(im, dtype=np.int64))
     except DataError:
         raise
@@ -298,9 +280,8 @@ def read_mask(
 
 
 class LazyImageMasks:
-    """A split of (image, mask) files read from disk when fetched: in the loader's workers
-    during training, so memory does not grow with the dataset. Same interface as
-    :class:`TensorImages` (``len``, ``fetch``, ``channels``)."""
+    """A split of (image, mask) files read from disk when fetched, each at its own size: in
+    the loader's workers during training, so memory does not grow with the dataset."""
 
     channels = 3
     device = torch.device("cpu")
@@ -309,38 +290,27 @@ class LazyImageMasks:
         self,
         images: list[Path],
         masks: list[Path],
-        image_size: int,
         num_classes: int,
         mask_map: dict[int, int] | None = None,
     ) -> None:
         self.images, self.masks = images, masks
-        self.image_size, self.num_classes, self.mask_map = image_size, num_classes, mask_map
+        self.num_classes, self.mask_map = num_classes, mask_map
 
     def __len__(self) -> int:
         return len(self.images)
 
-    def fetch(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def fetch(self, index: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         images, masks = [], []
         for i in index.tolist():
-            image, size = read_image_sized(self.images[i], self.image_size)
-            mask = read_mask(
-                self.masks[i],
-                self.image_size,
-                self.num_classes,
-                self.mask_map,
-                image=(self.images[i], size),
+            image, size = read_image_sized(self.images[i])
+            masks.append(
+                read_mask(self.masks[i], self.num_classes, self.mask_map, (self.images[i], size))
             )
             images.append(image)
-            masks.append(mask)
-        return torch.stack(images), torch.stack(masks)
+        return images, masks
 
-    def fetch_images(self, index: torch.Tensor) -> torch.Tensor:
-        return torch.stack([read_image(self.images[i], self.image_size) for i in index.tolist()])
-
-    def to(self, device: torch.device) -> TensorImages:
-        """The whole split in memory on ``device`` (``loader=device``)."""
-        images, masks = self.fetch(torch.arange(len(self)))
-        return TensorImages(images, masks).to(device)
+    def fetch_images(self, index: torch.Tensor) -> list[torch.Tensor]:
+        return [read_image(self.images[i]) for i in index.tolist()]
 
 
 def image_mask_folder(
@@ -349,7 +319,6 @@ def image_mask_folder(
     image_size: int = 128,
     val_fraction: float = 0.1,
     seed: int = 1234,
-    augment: bool = True,
     mask_map: dict[int, int] | None = None,
     test_fraction: float = 0.0,
 ) -> DataSplits:
@@ -357,8 +326,9 @@ def image_mask_folder(
     with matching stems; masks hold class indices ``0 .. num_classes - 1`` (255: ignore),
     after ``mask_map`` (``{255: 1}`` for binary masks stored as 0/255).
 
-    Files are listed here, in sorted order, and read lazily (:class:`LazyImageMasks`), at
-    ``image_size``×``image_size``. The validation split is a permutation keyed by ``seed``,
+    Files are listed here, in sorted order, and read lazily (:class:`LazyImageMasks`), each
+    at its own size (a mask must have its image's); the ``augment`` pipelines bring them to
+    ``image_size``×``image_size``, the masks with the very same geometry. The validation split is a permutation keyed by ``seed``,
     so the same folder gives the same splits everywhere; ``test_fraction`` holds a test
     split out of the training files, as :func:`image_folder` does."""
     _pillow()
@@ -403,10 +373,11 @@ def image_mask_folder(
         return LazyImageMasks(
             [images[s] for s in chosen],
             [masks[s] for s in chosen],
-            image_size,
             num_classes,
             {int(k): int(v) for k, v in mask_map.items()} if mask_map else None,
         )
 
     test = split(test_idx) if test_idx is not None else None
-    return DataSplits(split(train_idx), split(val_idx), num_classes, augment, test=test)
+    return DataSplits(
+        split(train_idx), split(val_idx), num_classes, test=test, image_size=image_size
+    )

@@ -12,24 +12,23 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from repro.data.augment import crop_flip_batch, keyed_crop_flip_params
-from repro.data.splits import IGNORE, DataSplits, Split
-from repro.errors import DataError, ReproError
+from repro.data.augment import KeyedPipeline, Resize
+from repro.data.splits import DataSplits, Split, TensorImages
+from repro.errors import ConfigError, DataError, ReproError
 from repro.rng import keyed_generator, keyed_permutation, worker_init_fn
 
 
 class KeyedBatches(Dataset):
-    """Fetches a whole micro-batch by its keys ``(epoch, index)``: one fetch of the images
-    and targets, each image cropped and flipped with the draws keyed by ``(seed, "augment",
-    epoch, index)`` (:func:`crop_flip_batch`, one vectorised gather for the batch), and a
-    per-pixel mask with the very same crop and flip (pure data movement: no class is
-    interpolated; the padded border is :data:`IGNORE`). The same sample in the same epoch gets
-    the same crop and flip in any worker, any process, after any restart, and in any batch.
-    Works where the split is: on the CPU for the DataLoader, on the GPU for
-    ``loader.on_device``."""
+    """Fetches a whole micro-batch by its keys ``(epoch, index)``: one fetch of the samples,
+    then the training pipeline keyed by ``(seed, "augment", epoch, index)``
+    (:class:`repro.data.augment.KeyedPipeline`): one vectorised call for a batch the
+    pipeline can take whole (the default crop and flip), else sample by sample. The same
+    sample in the same epoch gets the same augmentation in any worker, any process, after
+    any restart, and in any batch. Works where the split is: on the CPU for the
+    DataLoader, on the GPU for ``loader=device``."""
 
-    def __init__(self, split: Split, seed: int, augment: bool) -> None:
-        self.split, self.seed, self.augment = split, seed, augment
+    def __init__(self, split: Split, pipeline: KeyedPipeline) -> None:
+        self.split, self.pipeline = split, pipeline
 
     def __len__(self) -> int:
         return len(self.split)
@@ -38,25 +37,13 @@ class KeyedBatches(Dataset):
         epochs, index = torch.tensor(keys, dtype=torch.int64).view(-1, 2).unbind(1)
         return self.fetch(epochs, index)
 
-    def fetch(
-        self, epochs: torch.Tensor, index: torch.Tensor, params: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def fetch(self, epochs: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The samples ``index`` (int64, on the split's device) in ``epochs`` (the same
-        length, or one element), cropped and flipped; ``params``: their draws, if the caller
-        has them (:func:`keyed_crop_flip_params` of these keys)."""
+        length, or one element), augmented."""
         images, targets = self.split.fetch(index)
-        if self.augment:
-            if params is None:
-                params = keyed_crop_flip_params(self.seed, epochs, index)
-            images = crop_flip_batch(images, params)
-            if targets.dim() == 3:  # per-pixel masks move with their images
-                targets = crop_flip_batch(targets[:, None], params, fill=IGNORE)[:, 0]
-            elif targets.dim() != 1:
-                raise DataError(
-                    f"data: the crop and flip move class labels (N) and masks (N×H×W), not "
-                    f"targets of shape {tuple(targets.shape)}; set data.augment=false."
-                )
-        return images, targets
+        if self.pipeline.batched(images):
+            return self.pipeline.keyed_batch(images, targets, epochs, index)
+        return self.pipeline.samples(images, targets, epochs, index)
 
 
 class KeyedBatchSampler:
@@ -161,11 +148,11 @@ class DeviceBatches:
             yield images[index], targets[index]
 
     def augmented(self, epoch: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """The whole split as the epoch ``epoch`` sees it: cropped and flipped with its
-        draws (or as stored, without augmentation)."""
+        """The whole split as the epoch ``epoch`` sees it: augmented with its draws (or as
+        stored, without augmentation)."""
         b = self.batches
         every = torch.arange(len(b.split), device=device)
-        if not b.augment:
+        if b.pipeline.pipeline is None:
             return b.split.fetch(every)
         images, _ = b.split.fetch(every[:1])
         chunk = max(1, self.CHUNK_BYTES // (images[0, 0].numel() * 8))
@@ -180,6 +167,25 @@ class DeviceBatches:
             for whole, t in zip(out, part, strict=True):
                 whole[i : i + len(t)] = t
         return out
+
+
+def on_device(split: Split, size: int | None, device: torch.device) -> TensorImages:
+    """The whole split in memory on ``device``, every image (and mask) at ``size`` ×
+    ``size`` (``loader=device``): read in and resized on the host first, as the samples'
+    pipeline would (:func:`repro.data.augment.resize_image`), if not there already."""
+    if isinstance(split, TensorImages) and (
+        size is None or tuple(split.images.shape[-2:]) == (size, size)
+    ):
+        return split.to(device)
+    images, targets = split.fetch(torch.arange(len(split)))
+    resize = Resize(size)
+    pairs = [resize(images[i], targets[i]) for i in range(len(images))]
+    labels = (
+        torch.stack([t for _, t in pairs])
+        if isinstance(pairs[0][1], torch.Tensor) and pairs[0][1].dim() == 2
+        else torch.as_tensor([int(t) for _, t in pairs])
+    )
+    return TensorImages(torch.stack([i for i, _ in pairs]), labels).to(device)
 
 
 def _init_worker(worker_id: int) -> None:
@@ -223,9 +229,16 @@ def make_train_loader(
     sampler = KeyedBatchSampler(
         len(splits.train), batch_size, micro_batch_size, seed, start_step, shard, overfit_batch
     )
+    pipeline = splits.train_pipeline or KeyedPipeline(None, seed)
     if getattr(loader_cfg, "on_device", False):
-        split = splits.train.to(device or torch.device("cpu"))  # a split on disk: read in
-        return DeviceBatches(KeyedBatches(split, seed, splits.augment), sampler)
+        if not pipeline.device_capable:
+            raise ConfigError(
+                f"config error: loader=device augments on the device, which augment=crop_flip "
+                f"and none can (their draws are counted from the key there); augment.train "
+                f"({pipeline.name}) runs sample by sample on the host: use loader=multi."
+            )
+        split = on_device(splits.train, pipeline.size, device or torch.device("cpu"))
+        return DeviceBatches(KeyedBatches(split, pipeline), sampler)
     workers = int(loader_cfg.num_workers)
     extra = {}
     if workers > 0:
@@ -233,7 +246,7 @@ def make_train_loader(
         if loader_cfg.prefetch_factor is not None:
             extra["prefetch_factor"] = int(loader_cfg.prefetch_factor)
     return DataLoader(
-        KeyedBatches(splits.train, seed, splits.augment),
+        KeyedBatches(splits.train, pipeline),
         sampler=sampler,
         batch_size=None,  # the sampler's items are whole micro-batches of keys
         num_workers=workers,
@@ -286,8 +299,9 @@ class DeviceNormalizer:
         shape = (1, -1, 1, 1)
         self.device = device
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        self.mean = torch.tensor(splits.mean, device=device).view(shape)
-        self.std = torch.tensor(splits.std, device=device).view(shape)
+        mean, std = splits.normalisation()
+        self.mean = torch.tensor(mean, device=device).view(shape)
+        self.std = torch.tensor(std, device=device).view(shape)
 
     def __call__(
         self, images: torch.Tensor, labels: torch.Tensor

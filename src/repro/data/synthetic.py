@@ -20,7 +20,6 @@ def synthetic(
     val_size: int = 1024,
     image_size: int = 32,
     noise: float = 0.35,
-    augment: bool = True,
     test_size: int = 0,
 ) -> DataSplits:
     """A learnable image-classification set generated from ``seed`` (the *data* seed), with
@@ -66,7 +65,11 @@ def synthetic(
 
     test = make("test", test_size) if test_size else None
     return DataSplits(
-        make("train", train_size), make("val", val_size), num_classes, augment, test=test
+        make("train", train_size),
+        make("val", val_size),
+        num_classes,
+        test=test,
+        image_size=image_size,
     )
 
 
@@ -98,7 +101,6 @@ def synthetic_shapes(
     image_size: int = 64,
     max_shapes: int = 3,
     noise: float = 0.2,
-    augment: bool = True,
     test_size: int = 0,
 ) -> DataSplits:
     """A learnable segmentation set generated from ``seed`` (the *data* seed), with a test
@@ -146,5 +148,9 @@ def synthetic_shapes(
 
     test = make("test", test_size) if test_size else None
     return DataSplits(
-        make("train", train_size), make("val", val_size), num_classes, augment, test=test
+        make("train", train_size),
+        make("val", val_size),
+        num_classes,
+        test=test,
+        image_size=image_size,
     )
