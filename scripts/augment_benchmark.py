@@ -104,23 +104,34 @@ def throughput(cfg, workers: int, batches: int, warmup: int) -> float:
 
 
 def keying_cost(repeats: int = 2000) -> dict[str, float]:
-    """Microseconds a sample: the global states set from a key and put back; a keyed
-    generator made."""
+    """Microseconds a sample: the global states set from a key (in a loader worker; in the
+    main process also put back afterwards); a keyed generator made."""
+    from unittest import mock
+
     import torch
 
     from repro.data.augment import keyed_global_state
     from repro.rng import derive_seed
 
-    t0 = time.perf_counter()
-    for i in range(repeats):
-        with keyed_global_state(0, 1, i):
-            pass
-    states = (time.perf_counter() - t0) / repeats * 1e6
+    def per_sample() -> float:
+        t0 = time.perf_counter()
+        for i in range(repeats):
+            with keyed_global_state(0, 1, i):
+                pass
+        return (time.perf_counter() - t0) / repeats * 1e6
+
+    main_process = per_sample()
+    with mock.patch("torch.utils.data.get_worker_info", return_value=object()):
+        states = per_sample()
     t0 = time.perf_counter()
     for i in range(repeats):
         torch.Generator().manual_seed(derive_seed(0, "augment-generator", 1, i))
     generator = (time.perf_counter() - t0) / repeats * 1e6
-    return {"global_states_us": states, "generator_us": generator}
+    return {
+        "global_states_us": states,
+        "global_states_main_process_us": main_process,
+        "generator_us": generator,
+    }
 
 
 def main() -> None:
@@ -142,11 +153,10 @@ def main() -> None:
     args = p.parse_args()
     if args.cell:
         return run_cell(args.cell)
-    import torch
 
     from repro.config import compose
-    from repro.determinism import apply_determinism
     from repro.fingerprint import environment
+    from repro.process_env import required_process_env
 
     folder = make_folder(args.root, args.images, args.min_side, args.max_side)
     overrides = [
@@ -160,14 +170,15 @@ def main() -> None:
         "loader=multi",
         *args.overrides,
     ]
-    apply_determinism(compose(overrides, ROOT / "conf"), torch.device("cpu"))  # checks them
+    cfg = compose(overrides, ROOT / "conf")  # a bad override: one line, before any work
+    pinned = required_process_env(cfg.determinism)  # what train.py would start with
     cost = keying_cost()
     cells = [(keyed, w) for keyed in (True, False) for w in args.workers]
     speeds: dict[tuple[bool, int], list[float]] = {c: [] for c in cells}
     for repeat in range(args.repeats):  # every cell in turn: drift hits them alike
         for keyed in (True, False):
             for w in args.workers:
-                speed = _cell(overrides, w, keyed, args.batches, args.warmup)
+                speed = _cell(overrides, w, keyed, args.batches, args.warmup, pinned)
                 speeds[(keyed, w)].append(speed)
                 print(
                     f"#{repeat} {'keyed' if keyed else 'unkeyed':8} workers {w:2d}: "
@@ -204,7 +215,8 @@ def main() -> None:
         f"{args.repeats} repeats, every cell in turn. *Unkeyed*: the same pipeline drawing from "
         "one generator a worker, the global states untouched (a peer's loader). Keying's own "
         f"cost a sample: {cost['global_states_us']:.1f} µs to set the global torch, NumPy and "
-        f"`random` states from a key and put them back (pipelines that draw from them: "
+        f"`random` states from a key in a worker ({cost['global_states_main_process_us']:.1f} "
+        "µs in the main process, which also puts them back; pipelines that draw from them: "
         f"torchvision's, yours), {cost['generator_us']:.1f} µs for a keyed generator (the "
         "shipped `imagenet` and `segmentation` transforms).",
         "",
@@ -222,7 +234,14 @@ def main() -> None:
     write_results(args.out, "augment", today(), env, "\n".join(lines) + "\n", record)
 
 
-def _cell(overrides: list[str], workers: int, keyed: bool, batches: int, warmup: int) -> float:
+def _cell(
+    overrides: list[str],
+    workers: int,
+    keyed: bool,
+    batches: int,
+    warmup: int,
+    pinned: dict[str, str],
+) -> float:
     """One cell's images/s, in a process of its own (strict, as a run is; the unkeyed
     patch stays in it): this script again, with ``--cell``."""
     import json
@@ -233,7 +252,7 @@ def _cell(overrides: list[str], workers: int, keyed: bool, batches: int, warmup:
         [sys.executable, __file__, "--cell", cell],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONHASHSEED": "0", "CI": "true"},
+        env={**os.environ, **pinned, "CI": "true"},
         check=False,
     )
     if out.returncode != 0:
