@@ -127,6 +127,53 @@ MUTATIONS = [
             "tests/test_dist.py::test_both_ordered_reductions_over_three_processes_are_the_tree_of_one",
         ],
     ),
+    Mutation(
+        "unkeyed-numpy",
+        "a user's augmentation drawing from NumPy's global state as the worker left it (the "
+        "state not set from the sample's key)",
+        "src/repro/data/augment.py",
+        "    np.random.seed([value & 0xFFFFFFFF, value >> 32])\n",
+        "",
+        [
+            "tests/test_augment.py::test_any_pipeline_gives_the_same_bits_repeated_with_any_"
+            "workers_resumed_and_on_two_processes[user]",
+        ],
+    ),
+    Mutation(
+        "private-rng-unseen",
+        "the check before step 1 calling the pipeline once under a key (a private generator "
+        "goes unseen)",
+        "src/repro/data/augment.py",
+        "    if any(not _same(a, train(*sample, 0, 0)) for _ in range(REPEATS - 1)):",
+        "    if False:",
+        [
+            "tests/test_augment.py::test_a_pipeline_with_a_random_state_of_its_own_is_refused_"
+            "before_anything_is_written",
+        ],
+    ),
+    Mutation(
+        "digest-unchecked",
+        "a checkpoint without its sidecar loaded without checking its own digest",
+        "src/repro/checkpoint.py",
+        "        if held is not None and content_sha256(state) != held:",
+        "        if False:",
+        [
+            "tests/test_resume.py::test_a_damaged_checkpoint_is_detected_and_resume_falls_back"
+            "[damaged_without_checksum-its content does not match its own digest (corrupted)]",
+        ],
+    ),
+    Mutation(
+        "no-kernel-lock",
+        "the run directory's lock file opened but not locked",
+        "src/repro/rundir.py",
+        "                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n",
+        "                pass\n",
+        [
+            "tests/test_rundir.py::test_eight_processes_taking_over_a_dead_runs_lock_at_once_"
+            "exactly_one_holds_it",
+            "tests/test_rundir.py::test_a_run_directory_in_use_is_refused_naming_its_holder",
+        ],
+    ),
 ]
 
 
