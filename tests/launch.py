@@ -7,11 +7,13 @@ forking an interpreter that has imported torch, Hydra and this package once
 
 A forked process is a process: its own pid, exit status, files, signal handlers, process
 group (``start_new_session``) and loader workers (forked from it, as from ``python
-train.py``); it runs the script as ``__main__`` with ``sys.argv`` as given. What it does not
-do is start an interpreter, so a command for which that is the point starts a real one:
-strict mode's re-execution (an environment without the pinned ``PYTHONHASHSEED``), a
-``sitecustomize`` on ``PYTHONPATH`` other than ``tests/faults`` (whose faults the fork
-installs itself), and torchrun.
+train.py``); it runs the script as ``__main__`` with ``sys.argv`` (and ``sys.orig_argv``,
+what a re-execution runs) as given, and ends through multiprocessing's exit handler (which
+joins its child processes). What it does not do is start an interpreter or end one
+(``atexit``, non-daemon threads), so a command for which that is the point starts a real
+one: an environment without the pinned ``PYTHONHASHSEED``, a ``sitecustomize`` on
+``PYTHONPATH`` other than ``tests/faults`` (whose faults the fork installs itself),
+torchrun, and ``real=True`` (the tests of what happens at a process's exit).
 """
 
 from __future__ import annotations
@@ -60,8 +62,8 @@ def _server() -> Any:
     return _context
 
 
-def _forkable(cmd: list[str], env: dict[str, str]) -> bool:
-    if len(cmd) < 2 or cmd[0] != sys.executable:
+def _forkable(cmd: list[str], env: dict[str, str], real: bool) -> bool:
+    if real or len(cmd) < 2 or cmd[0] != sys.executable:
         return False
     if cmd[1] == "-m" and (len(cmd) < 3 or cmd[2] == "torch.distributed.run"):
         return False
@@ -92,6 +94,7 @@ def _child(
         os.dup2(fd, target)
         os.close(fd)
     multiprocessing.set_start_method(None, force=True)  # as unset as in a new interpreter
+    sys.orig_argv = [sys.executable, *cmd[1:]]  # what strict mode re-executes, if it does
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     first = str(Path(cmd[1]).resolve().parent) if cmd[1].endswith(".py") else ""
     sys.path[:] = [first, *paths, *base_path]
@@ -120,7 +123,10 @@ def _child(
             stream.flush()
         except Exception:
             pass
-    os._exit(code)
+    # multiprocessing's exit handler runs as the process ends (it joins child processes:
+    # the loader's workers), then it exits with this status; a real interpreter also joins
+    # non-daemon threads and runs atexit: the tests of exit-time behaviour start one (real=)
+    raise SystemExit(code)
 
 
 class Forked:
@@ -206,11 +212,13 @@ def popen(
     stderr: Any = None,
     text: bool = False,
     start_new_session: bool = False,
+    real: bool = False,
 ) -> Forked | subprocess.Popen:
-    """:class:`subprocess.Popen` of ``cmd``, forked when it can be (module docstring)."""
+    """:class:`subprocess.Popen` of ``cmd``, forked when it can be (module docstring);
+    ``real``: a real interpreter in any case (what happens at its exit is the point)."""
     cmd = [str(c) for c in cmd]
     env = dict(os.environ if env is None else env)
-    if not _forkable(cmd, env):
+    if not _forkable(cmd, env, real):
         return subprocess.Popen(
             cmd,
             env=env,
@@ -235,6 +243,7 @@ def run(
     timeout: float | None = None,
     check: bool = False,
     start_new_session: bool = False,
+    real: bool = False,
 ) -> subprocess.CompletedProcess:
     """:func:`subprocess.run` of ``cmd``, forked when it can be (module docstring)."""
     if capture_output:
@@ -247,6 +256,7 @@ def run(
         stderr=stderr,
         text=text,
         start_new_session=start_new_session,
+        real=real,
     )
     try:
         out, err = proc.communicate(timeout=timeout)

@@ -221,6 +221,36 @@ def test_the_global_states_are_keyed_inside_and_put_back_after():
     assert (np.random.get_state()[1] == before[1]).all() and random.getstate() == before[2]
 
 
+class _Spy:
+    """Records the numbers it draws from its generator, and the key it is given."""
+
+    keyed = True
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, image, target, *, key, generator):
+        self.seen.append((key, torch.rand(3, generator=generator)))
+        return image, target
+
+
+def test_the_transforms_of_a_composed_pipeline_draw_different_numbers():
+    """One generator a sample, shared: the second transform draws where the first stopped;
+    the second's key has its place folded in (two crop-and-flips do not crop alike)."""
+    from repro.data.augment import Compose
+
+    first, second = _Spy(), _Spy()
+    pipeline = KeyedPipeline(Compose([first, second]), seed=2)
+    image = torch.zeros(3, 4, 4, dtype=torch.uint8)
+    for _ in range(2):
+        pipeline(image, 0, 1, 7)
+    (k1, a1), (k2, b1) = first.seen[0], second.seen[0]
+    assert not torch.equal(a1, b1) and k1 == (2, 1, 7) and k2 != k1 and k2[1:] == (1, 7)
+    assert torch.equal(first.seen[1][1], a1) and torch.equal(second.seen[1][1], b1)
+    flips = Compose([CropFlip(4), CropFlip(4)])
+    assert flips.transforms[0] is not flips.transforms[1]
+
+
 def test_the_shipped_transforms_draw_from_their_key_only():
     image = torch.randint(0, 256, (3, 30, 40), dtype=torch.uint8)
     mask = torch.randint(0, 3, (30, 40), dtype=torch.uint8)

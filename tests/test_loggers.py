@@ -201,8 +201,9 @@ def test_a_loggers_bad_value_is_named_before_the_run(monkeypatch):
 
 def test_a_run_killed_before_its_first_checkpoint_continues_its_mlflow_run(tmp_path):
     """Killed after step 2, before the step-3 checkpoint: the relaunch (resume=auto) starts
-    again from step 0 in the same directory, and MLflow holds one run, finished, not an
-    orphan left RUNNING beside a second one."""
+    again from step 0 in the same directory and continues the same MLflow run (the config is
+    the remembered one's), which ends finished: one run, not a second one beside the
+    first attempt's."""
     from mlflow.tracking import MlflowClient
 
     store = tmp_path / "mlflow.db"

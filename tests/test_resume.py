@@ -881,6 +881,46 @@ def test_when_no_checkpoint_is_usable_resume_starts_again_from_step_0(killed, st
     assert not list(run_dir.rglob("*.tmp")) and not list(run_dir.rglob("*.bad"))
 
 
+def test_checkpoints_that_are_intact_but_do_not_fit_are_never_set_aside_to_start_again(
+    killed, tmp_path
+):
+    """Every checkpoint intact but of another model (its code changed under the same
+    config): resume=auto must not set them aside and start again from step 0 -- one line,
+    nothing changed."""
+    run_dir = shutil.copytree(killed, tmp_path / "run")
+    for step in (10, 20):
+        foreign_weights(checkpoint_path(run_dir, step))
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    with pytest.raises(CheckpointError, match="not every one is damaged") as err:
+        resume(run_dir, SCENARIOS["mid-epoch"])
+    assert "\n" not in str(err.value) and "nothing was changed" in str(err.value)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+
+
+def test_a_resume_with_another_augmentation_is_refused(killed, tmp_path):
+    run_dir = shutil.copytree(killed, tmp_path / "run")
+    with pytest.raises(CheckpointError, match=r"augment.train._target_: repro.data.augment"):
+        resume(run_dir, SCENARIOS["mid-epoch"], "augment=none")
+
+
+def test_a_checkpoint_from_before_the_augment_group_resumes_to_the_same_bits(
+    killed, straight, tmp_path
+):
+    """Written when the crop and flip was data.augment=true: the same augmentation."""
+    run_dir = shutil.copytree(killed, tmp_path / "run")
+    path = checkpoint_path(run_dir, 20)
+    state = torch.load(path, weights_only=True)
+    state["config"]["data"]["augment"] = True
+    del state["config"]["augment"]
+    save_checkpoint(path, state)
+    resumed = resume(run_dir, SCENARIOS["mid-epoch"])
+    assert (
+        resumed.summary["resumes"][0]["step"] == 20
+        and resumed.summary["resumes"][0]["forced"] == []
+    )
+    assert_same_as(resumed, straight("mid-epoch"))
+
+
 BEST_EARLY = [
     "trainer.max_steps=12",
     "trainer.eval_every=4",

@@ -14,7 +14,7 @@ import pytest
 
 import launch
 from conftest import SMALL_DATA, run_train, train_cmd, train_here, user_env
-from repro.errors import ConfigError
+from repro.errors import CheckpointError, ConfigError
 from repro.files import LOCK_FILE
 
 QUICK = ["trainer.max_steps=4", "trainer.eval_every=4", *SMALL_DATA, "model.width=8"]
@@ -255,8 +255,9 @@ def test_a_lock_whose_holder_cannot_be_written_is_removed(tmp_path, monkeypatch)
 
     run_dir = tmp_path / "run"
     monkeypatch.setattr(repro.rundir, "_write_holder", full, raising=False)
-    with pytest.raises(Exception, match="No space left on device"):
+    with pytest.raises(CheckpointError, match="No space left on device") as err:
         train_here(run_dir, *QUICK)
+    assert "\n" not in str(err.value) and "trainer.resume=auto" in str(err.value)
     assert not (run_dir / LOCK_FILE).exists()
     monkeypatch.undo()
     assert train_here(run_dir, *QUICK).summary["steps"] == 4

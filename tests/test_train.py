@@ -215,6 +215,7 @@ def test_an_error_mid_run_ends_the_process_with_the_default_loader(tmp_path):
         capture_output=True,
         text=True,
         timeout=120,  # it hung forever before the loop stopped its workers
+        real=True,  # the hang was at the interpreter's exit
     )
     assert proc.returncode == 1 and "this rank's forward fails" in proc.stderr
     # one line on the terminal; the traceback is kept in the run's log

@@ -16,6 +16,7 @@ it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import logging
@@ -189,7 +190,7 @@ class Loaded:
     state: dict[str, Any]
     by_sidecar: bool  # verified by its sidecar; False: by its own content digest
 
-    @property
+    @functools.cached_property
     def sha256(self) -> str:
         return hashlib.sha256(self.data).hexdigest()
 
@@ -198,34 +199,64 @@ def read_checkpoint(
     path: Path, map_location: str | torch.device = "cpu", *, require_checksum: bool = True
 ) -> Loaded:
     """Verify and load a checkpoint: by its sidecar when there is one, else by the digest of
-    its own content; :class:`CheckpointError` (one line) when it is damaged, not a
-    checkpoint, or would run code. ``require_checksum=False`` also reads a file with neither
-    (but never one whose sidecar or digest disagrees)."""
+    its own content; :class:`CheckpointError` (one line; ``damaged`` when the bytes are not
+    what was written) when it is damaged, not a checkpoint, or would run code.
+    ``require_checksum=False`` also reads a file with neither (but never one whose sidecar
+    or digest disagrees)."""
     path = Path(path)
     try:
         data = path.read_bytes()
     except OSError as err:
         raise CheckpointError(
-            f"{path}: unreadable ({err.strerror}); use an earlier checkpoint."
+            f"{path}: unreadable ({err.strerror}); nothing was changed: try again once it can "
+            "be read, or use an earlier checkpoint."
         ) from None
     expected, problem = _sidecar_digest(path)
     if problem or (expected is not None and hashlib.sha256(data).hexdigest() != expected):
         problem = problem or "checksum mismatch (truncated or corrupted)"
-        raise CheckpointError(f"{path}: {problem}; use an earlier checkpoint.")
-    state = _unpickle(path, data, map_location)
+        raise CheckpointError(f"{path}: {problem}; use an earlier checkpoint.", damaged=True)
+    try:
+        state = _unpickle(path, data, map_location)
+    except CheckpointError as err:  # without a sidecar, bytes that do not load are damage
+        err.damaged = expected is None and "refused" not in str(err)
+        raise
     if expected is None:  # no sidecar: a write interrupted after the rename, or a copy
         held = state.get(CONTENT_KEY)
         if held is None and require_checksum:
             raise CheckpointError(
                 f"{path}: no checksum file, and no digest of its own (written before they "
-                "were); use an earlier checkpoint."
+                "were); use an earlier checkpoint.",
+                damaged=True,
             )
         if held is not None and content_sha256(state) != held:
             raise CheckpointError(
                 f"{path}: its content does not match its own digest (corrupted); use an "
-                "earlier checkpoint."
+                "earlier checkpoint.",
+                damaged=True,
             )
     return Loaded(path, data, state, by_sidecar=expected is not None)
+
+
+def verified_bytes(path: Path) -> bytes:
+    """A checkpoint's bytes, verified without unpickling it when its sidecar is there (a
+    copy needs no second copy of its tensors in memory); by :func:`read_checkpoint` when
+    not."""
+    data, _ = check_file(path)
+    return data if data is not None else read_checkpoint(path).data
+
+
+def held_best(path: Path) -> tuple[Any, int | None, str | None]:
+    """``(its "best" record, its step, None)`` for a verified checkpoint file -- its tensors
+    loaded on the meta device when its sidecar vouches for its bytes, so no memory is spent
+    on them -- or ``(None, None, what is wrong)``."""
+    data, _ = check_file(path)
+    try:
+        state = _unpickle(path, data, "meta") if data is not None else read_checkpoint(path).state
+    except CheckpointError as err:
+        there = path.exists() or sidecar(path).exists()
+        return None, None, (f"it was damaged ({_why(err, path)})" if there else "it was missing")
+    step = state.get("step")
+    return state.get("best"), step if isinstance(step, int) else None, None
 
 
 def load_checkpoint(
@@ -263,10 +294,11 @@ def _unpickle(path: Path, data: bytes, map_location: str | torch.device) -> dict
     return state
 
 
-def copy_checkpoint(source: Loaded, target: Path) -> None:
-    """A verified checkpoint's bytes written to ``target`` as every checkpoint is (atomically,
-    the old sidecar gone first, then the new one)."""
-    write_checkpoint_bytes(Path(target), source.data)
+def copy_checkpoint(source: Loaded | Path, target: Path) -> None:
+    """A verified checkpoint (read, or a file: :func:`verified_bytes`) written to ``target``
+    as every checkpoint is (atomically, the old sidecar gone first, then the new one)."""
+    data = source.data if isinstance(source, Loaded) else verified_bytes(source)
+    write_checkpoint_bytes(Path(target), data)
 
 
 def repair_sidecar(loaded: Loaded) -> bool:
@@ -336,6 +368,7 @@ RELEVANT_CONFIG = (
     "seed",
     "model",
     "data",
+    "augment",  # what each sample becomes, and the normalisation (through augment.eval)
     "task",
     "optim",
     "schedule",
@@ -473,8 +506,11 @@ _LEGACY_OPTIMIZERS = {
 def upgrade_config(config: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint's config in today's shape, so that one written before the optimizer was
     a ``_partial_`` target (``optim.name``, ``optim.implementation``, ``optim.schedule``,
-    ``optim.warmup_steps``) and before tasks (classification) resumes when nothing that
-    decides the bits changed: the same SGD or AdamW, the same schedule, the same loss."""
+    ``optim.warmup_steps``), before tasks (classification) and before the ``augment`` group
+    (``data.augment``: true is ``crop_flip``, false ``none``) resumes when nothing that
+    decides the bits changed: the same SGD or AdamW, schedule, loss and augmentation. Not
+    for the image folders: they resized each image as they read it then, so their bits
+    differ now, and the difference is named."""
     config = dict(config)
     optim = dict(config.get("optim") or {})
     if "name" in optim and optim["name"] in _LEGACY_OPTIMIZERS:
@@ -497,17 +533,30 @@ def upgrade_config(config: dict[str, Any]) -> dict[str, Any]:
             },
         )
     config.setdefault("task", {"_target_": "repro.tasks.Classification"})
+    data = dict(config.get("data") or {})
+    folders = ("image_folder", "image_mask_folder")  # they squashed each image as it was read
+    if (
+        "augment" not in config
+        and "augment" in data
+        and not str(data.get("_target_")).endswith(folders)
+    ):
+        size = data.get("image_size")
+        crop_flip = {"_target_": "repro.data.augment.CropFlip", "size": size, "pad": 4}
+        kept = {"_target_": "repro.data.augment.Resize", "size": size}
+        config["augment"] = {"train": crop_flip if data.pop("augment") else kept, "eval": kept}
+        config["data"] = data
     return config
 
 
 def find_resume_point(
     source: Path, fits: Callable[[dict[str, Any]], str | None] = lambda state: None
-) -> tuple[Loaded | None, list[tuple[Path, str]]]:
-    """The checkpoint to resume from, and those passed over (newer, but damaged or not
-    restorable: ``(path, why)``). ``source`` is a checkpoint file (it must be good: else
-    :class:`CheckpointError`) or a run directory: its newest good checkpoint, or None when
-    it holds none (no checkpoint at all, or none good). Good means intact and, by ``fits``
-    (say why not, or None), restorable into this run."""
+) -> tuple[Loaded | None, list[tuple[Path, str, bool]]]:
+    """The checkpoint to resume from, and those passed over, newer ones (``(path, why,
+    damaged)``: damaged, or intact but not restorable into this run). ``source`` is a
+    checkpoint file (it must be good: else :class:`CheckpointError`) or a run directory: its
+    newest good checkpoint, or None when it holds none (no checkpoint at all, or none good).
+    Good means intact and, by ``fits`` (say why not, or None), restorable. A checkpoint that
+    cannot be read now (EIO, a permission) stops the search: nothing is passed over for it."""
     source = Path(source)
     if source.is_file():
         loaded = read_checkpoint(source)
@@ -520,11 +569,13 @@ def find_resume_point(
         try:
             loaded = read_checkpoint(path)
         except CheckpointError as err:
-            passed_over.append((path, _why(err, path)))
+            if "unreadable (" in str(err):
+                raise
+            passed_over.append((path, _why(err, path), err.damaged))
             continue
         problem = fits(loaded.state)
         if problem:
-            passed_over.append((path, f"cannot be restored into this run: {problem}"))
+            passed_over.append((path, f"cannot be restored into this run: {problem}", False))
             continue
         return loaded, passed_over
     return None, passed_over
@@ -611,17 +662,12 @@ class Checkpointer:
         path = self.run_dir / BEST_FILE
         if self.lost is not None and not path.exists():
             return  # said already
-        try:
-            loaded: Loaded | None = read_checkpoint(path)
-            held = loaded.state.get("best")
-        except CheckpointError as err:
-            there = path.exists() or sidecar(path).exists()
-            loaded, held = None, None
-            problem = f"it was damaged ({_why(err, path)})" if there else "it was missing"
-        if loaded is not None:
+        held, _, problem = held_best(path)
+        if problem is None:
             later = isinstance(held, dict) and isinstance(held.get("step"), int)
             if (held is not None and held == self.best) or (later and held["step"] > reached):
-                if repair_sidecar(loaded):
+                if not sidecar(path).exists():  # verified by its own digest: a kill's leftover
+                    write_sidecar(path, hashlib.sha256(path.read_bytes()).hexdigest())
                     log.info(f"{path}: its checksum file, lost in a kill, written again")
                 return
             problem = f"it held another evaluation ({held})"
@@ -635,13 +681,10 @@ class Checkpointer:
         if elsewhere:
             copies = [Path(source_run) / BEST_FILE, checkpoint_path(source_run, step), *copies]
         for copy in copies:
-            try:
-                found = read_checkpoint(copy)
-            except CheckpointError:
-                continue
-            if found.state.get("step") == step and found.state.get("best") == self.best:
-                copy_checkpoint(found, path)
-                if elsewhere and loaded is None and problem == "it was missing":
+            record, at, bad = held_best(copy)
+            if bad is None and at == step and record == self.best:
+                copy_checkpoint(copy, path)
+                if elsewhere and problem == "it was missing":
                     log.info(f"{BEST_FILE}: taken from {copy}")  # resumed from another run
                 else:
                     log.warning(f"{BEST_FILE}: rewritten from {copy.name} ({problem})")
@@ -650,12 +693,13 @@ class Checkpointer:
         path.unlink(missing_ok=True)
         sidecar(path).unlink(missing_ok=True)
         b = self.best
-        self.lost = f"{problem}, and no copy of step {step}'s state is left"
+        self.lost = f"{problem}, and no checkpoint of its step {step} is left"
         log.warning(
-            f"{path}: {problem}, and no checkpoint of its step {step} is left: "
-            f"the weights of the best evaluation ({b['metric']} {b['value']}) are lost; "
-            "training goes on, summary.json records them as lost, and a better evaluation "
-            "writes best.pt again."
+            f"{path}: {problem}, and no checkpoint of step {step} is left (one is written "
+            "where an evaluation step is also a checkpoint step, until rotated away): the "
+            f"weights of the best evaluation ({b['metric']} {b['value']}) are lost; training "
+            "goes on, summary.json records them as lost, and a better evaluation writes "
+            "best.pt again."
         )
 
     def best_summary(self) -> dict[str, Any] | None:

@@ -255,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
             "--force",
             action="store_true",
             help="go on when the config differs from the checkpoint's where it can change the "
-            "result (the differences are recorded in the output); refused without it",
+            "result (refused without it): evaluate records the differences in its result, "
+            "predict says them on stderr",
         )
         if name == "evaluate":
             p.add_argument("--split", default="test", choices=["test", "val"])

@@ -85,7 +85,14 @@ class Diverged(ReproError):
 
 
 class CheckpointError(ReproError):
-    """A checkpoint that is damaged, foreign, unsafe or missing."""
+    """A checkpoint that is damaged, foreign, unsafe or missing. ``damaged``: its bytes are
+    not what was written (a checksum or its own digest disagrees, or, with neither to check,
+    it cannot be read as a checkpoint) -- unlike a file that cannot be read now, or one that
+    is intact but foreign."""
+
+    def __init__(self, message: str, damaged: bool = False) -> None:
+        super().__init__(message)
+        self.damaged = damaged
 
 
 # Exit status of a run stopped by SIGTERM/SIGUSR1 after writing its checkpoint: EX_TEMPFAIL

@@ -11,6 +11,7 @@ versions are the same; ``env.json`` says which they were).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from repro.errors import CheckpointError, ConfigError
 from repro.evaluation import evaluate
 from repro.files import BEST_FILE
 
+log = logging.getLogger("repro")
 SPLITS = ("test", "val")
 
 
@@ -149,7 +151,9 @@ def predict(
         raise ConfigError(f"{inputs}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))}).")
     data = build_data(cfg)  # its evaluation pipeline and normalisation statistics
     state = load_checkpoint(checkpoint, map_location=device)
-    settings_differ(state, cfg, device, force)  # as evaluate: the same bytes or a refusal
+    differences = settings_differ(state, cfg, device, force)  # as evaluate's
+    for difference in differences.get("config_differs", []):  # --force: said, then on
+        log.warning(f"predict --force: {difference} (the bytes may differ from the run's)")
     training = restored(cfg, checkpoint, state, device, data)
     normalize = DeviceNormalizer(data, device, bool(cfg.trainer.channels_last))
     names = [str(p.relative_to(inputs)) for p in files]

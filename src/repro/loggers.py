@@ -26,6 +26,7 @@ nothing) in your module, and ``conf/logger/<name>.yaml`` holding
 from __future__ import annotations
 
 import csv
+import hashlib
 import importlib.util
 import io
 import json
@@ -148,6 +149,20 @@ def _close(name: str, logger: Logger) -> None:
         logger.close()
     except Exception as err:  # reported; the run's own error (if any) stays the one raised
         log.warning(f"logger {name}: closing failed ({type(err).__name__}: {err})")
+
+
+def fingerprint(info: RunInfo) -> str:
+    """The run's config, less what only says how it was launched (a resume), as a digest:
+    what a logger's run remembered in ``loggers.json`` must match to be continued."""
+    kept = {k: v for k, v in flatten(info.config).items() if k not in RUN_CONTROL}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def continues(held: dict[str, Any], info: RunInfo) -> bool:
+    """Does the run a logger remembered continue here? A resumed run's does; one started
+    again from step 0 in its directory (killed before its first checkpoint) does when its
+    config is the remembered one's, and otherwise gets a run of its own."""
+    return info.resumed or held.get("config") == fingerprint(info)
 
 
 def remembered(run_dir: Path, name: str) -> dict[str, Any] | None:
@@ -438,10 +453,15 @@ class MlflowLogger(Logger):
         # this directory's MLflow run, also when it starts again from step 0 (killed
         # before its first checkpoint): continued, not left RUNNING beside a second one
         held = remembered(info.run_dir, "mlflow")
-        if held and held.get("tracking_uri") == self.uri and self._continues(held, info):
+        if held and held.get("tracking_uri") == self.uri and continues(held, info):
             self.run_id = held["run_id"]
             self.client.update_run(self.run_id, status="RUNNING")
         else:
+            if held and held.get("tracking_uri") == self.uri:  # an earlier attempt's config
+                try:
+                    self.client.set_terminated(held["run_id"], "KILLED")
+                except Exception:  # the store was reset, the run deleted: nothing to mark
+                    pass
             experiment = self.client.get_experiment_by_name(self.experiment)
             if experiment is not None:
                 experiment_id = experiment.experiment_id
@@ -454,26 +474,15 @@ class MlflowLogger(Logger):
                 tags={"repro.run_dir": str(info.run_dir.resolve())},
             )
             self.run_id = run.info.run_id
-            remember(info.run_dir, "mlflow", {"tracking_uri": self.uri, "run_id": self.run_id})
+            remember(
+                info.run_dir,
+                "mlflow",
+                {"tracking_uri": self.uri, "run_id": self.run_id, "config": fingerprint(info)},
+            )
             self._log_params(info.config)
             self.client.log_dict(self.run_id, info.config, "config.json")
         for path in info.metadata:
             self.client.log_artifact(self.run_id, str(path))
-
-    def _continues(self, held: dict[str, Any], info: RunInfo) -> bool:
-        """Does the remembered run continue? A resumed run's does; one started again from
-        step 0 does when it still exists with this config (else it is marked killed)."""
-        if info.resumed:
-            return True
-        try:
-            logged = self.client.get_run(held["run_id"]).data.params
-        except Exception:  # the store was reset, the run deleted
-            return False
-        ours = _params(info.config)
-        if all(logged.get(k) == v for k, v in ours.items() if k not in RUN_CONTROL):
-            return True
-        self.client.set_terminated(held["run_id"], "KILLED")  # an earlier attempt's config
-        return False
 
     def _log_params(self, config: dict[str, Any]) -> None:
         from mlflow.entities import Param
@@ -571,8 +580,9 @@ class WandbLogger(Logger):
         import wandb
 
         held = remembered(info.run_dir, "wandb")  # also when started again from step 0
-        run_id = held["id"] if held else uuid.uuid4().hex[:12]  # os.urandom: no RNG touched
-        remember(info.run_dir, "wandb", {"id": run_id})
+        same = held is not None and "id" in held and continues(held, info)
+        run_id = held["id"] if same else uuid.uuid4().hex[:12]  # os.urandom: no RNG touched
+        remember(info.run_dir, "wandb", {"id": run_id, "config": fingerprint(info)})
         self.run = wandb.init(
             project=self.project,
             entity=self.entity,

@@ -18,6 +18,7 @@ import csv
 import datetime as dt
 import json
 import math
+import shlex
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,7 +83,7 @@ class Job:
 
     def rerun_command(self) -> str:
         if self.status == NOT_STARTED:  # no directory to re-run from: its own command
-            return "python train.py " + " ".join(self.overrides)
+            return "python train.py " + shlex.join(self.overrides)
         return f"repro rerun {self.dir}"
 
 
@@ -110,6 +111,11 @@ def planned_jobs(sweep_dir: Path) -> list[list[str]] | None:
     except Exception:  # glob() and friends need the config they were composed with
         return None
     return [list(job) for batch in batches for job in batch]
+
+
+def _what(overrides: list[str]) -> tuple[str, ...]:
+    """A job's overrides less those that only say how it ran (a resumed job records them)."""
+    return tuple(o for o in overrides if override_key(o) not in RUN_CONTROL)
 
 
 def _seed_of(overrides: list[str], default: Any) -> Any:
@@ -183,10 +189,10 @@ def find_jobs(sweep_dir: Path) -> list[Job]:
             f"{sweep_dir}: no job directories (with .hydra/overrides.yaml); give the directory "
             "of a `python train.py -m ...` sweep, e.g. multirun/<date>/<time>_<id>."
         )
-    started = {j.num for j in jobs}
+    started = {_what(j.overrides) for j in jobs}  # by what a job computes, not its folder
     default_seed = next((j.seed for j in jobs if j.seed is not None), None)
     for num, overrides in enumerate(planned_jobs(sweep_dir) or []):
-        if num not in started:  # the sweep was stopped (killed) before it got to this job
+        if _what(overrides) not in started:  # the sweep was stopped before this job
             seed = _seed_of(overrides, default_seed)
             jobs.append(
                 Job(sweep_dir / str(num), num, overrides, seed, NOT_STARTED, {}, "never started")

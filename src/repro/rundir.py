@@ -147,8 +147,8 @@ def _resume_point(
     for d in differ:
         log.warning(f"resume_force: {d}")
     remove_partial_writes(run_dir)  # only now: a refusal changes nothing
-    if own:  # this run's own checkpoints: the damaged ones set aside, a lost sidecar restored
-        for bad, why in passed_over:
+    if own:  # this run's own checkpoints: the passed-over set aside, a lost sidecar restored
+        for bad, why, _ in passed_over:
             log.warning(f"resume: {bad}: {why}. Falling back to the previous checkpoint.")
             log.warning(f"resume: set {bad.name} aside as {set_aside(bad).name} (unusable)")
         if repair_sidecar(found):
@@ -160,37 +160,45 @@ def _start_at_step_0(
     cfg: DictConfig,
     run_dir: Path,
     source: Path,
-    passed_over: list[tuple[Path, str]],
+    passed_over: list[tuple[Path, str, bool]],
     own: bool,
 ) -> None:
     """``trainer.resume`` found no checkpoint to resume from. ``auto`` in the run's own
     directory starts at step 0 there -- when there was none yet (killed before the first),
-    and when none is usable (damaged: set aside, one warning): a requeued job must not fail
-    forever, and a run started again ends on the same bits. Otherwise, one line."""
+    and when every one is damaged (set aside, one warning): a requeued job must not fail
+    forever, and a run started again ends on the same bits. Checkpoints that are intact
+    but cannot be restored (the model's code changed, say) are never set aside for that:
+    one line, nothing changed. Otherwise, one line."""
     t = cfg.trainer
-    damaged = "; ".join(f"{p.name}: {why}" for p, why in passed_over)
+    listed = "; ".join(f"{p.name}: {why}" for p, why, _ in passed_over)
     if not (own and str(t.resume) == "auto"):
         if passed_over:
             raise CheckpointError(
-                f"{source / CHECKPOINT_DIR}: no usable checkpoint ({damaged}); resume from "
+                f"{source / CHECKPOINT_DIR}: no usable checkpoint ({listed}); resume from "
                 "another one (trainer.resume=PATH) or start a new run (another hydra.run.dir)."
             )
         raise CheckpointError(f"{source}: holds no checkpoints/ to resume from.")
     finished = [n for n in (SUMMARY_FILE, str(t.checkpoint_name)) if (run_dir / n).exists()]
     if finished:
-        what = f"checkpoints that cannot be used ({damaged})" if passed_over else "checkpoints/"
+        what = f"checkpoints that cannot be used ({listed})" if passed_over else "checkpoints/"
         raise CheckpointError(
             f"{run_dir} holds a finished run ({', '.join(finished)}) but no {what} to resume "
             "from; choose another hydra.run.dir (nothing was overwritten)."
         )
+    if passed_over and not all(damaged for _, _, damaged in passed_over):
+        raise CheckpointError(
+            f"{run_dir / CHECKPOINT_DIR}: no checkpoint can be resumed, and not every one is "
+            f"damaged ({listed}); nothing was changed: resume with the settings and code they "
+            "were written with, or start a new run (another hydra.run.dir)."
+        )
     remove_partial_writes(run_dir)
     if passed_over:
-        for bad, _ in passed_over:
+        for bad, _, _ in passed_over:
             set_aside(bad)
         log.warning(
-            f"resume: no usable checkpoint in {run_dir / CHECKPOINT_DIR} ({damaged}); set "
-            "aside as *.bad, starting again from step 0 in this directory: the run ends on "
-            "the bits of one never interrupted"
+            f"resume: no usable checkpoint in {run_dir / CHECKPOINT_DIR} ({listed}); every one "
+            "damaged: set aside as *.bad, starting again from step 0 in this directory: the run "
+            "ends on the bits of one never interrupted"
         )
     else:
         log.info(f"resume=auto: no checkpoint in {run_dir} yet; starting at step 0")
@@ -398,21 +406,31 @@ class RunDirLock:
             raise
 
     def _in_use(self, holder: dict[str, Any], locks: bool = True) -> ConfigError:
-        why = "" if locks else " (this filesystem has no file locks: a killed run leaves it)"
+        # with locks, a held lock is a live process's (the kernel frees a dead one's): never
+        # advise deleting it; without, a killed run leaves its file behind
+        gone = (
+            ""
+            if locks
+            else f" If that run is gone, delete {self.path} (this filesystem has no file "
+            "locks: a killed run leaves it)."
+        )
         return ConfigError(
             f"{self.path.parent} is in use by another run (host {holder.get('host', '?')}, pid "
             f"{holder.get('pid', '?')}, started {_when(holder.get('started'))}); wait for it, "
-            f"or choose another hydra.run.dir. If that run is gone, delete {self.path}{why}."
+            f"or choose another hydra.run.dir.{gone}"
         )
 
     def release(self) -> None:
         self.logs.release(write=False)  # refused (or failed) before it was accepted
         if self.held:
             self.held = False
-            try:  # removed while still locked: the next launch locks a new file
-                self.path.unlink(missing_ok=True)
-            except OSError:  # a filesystem gone read-only: the lock is released all the same
-                pass
+            # removed while still locked (the next launch locks a new file) -- if it is still
+            # this lock's file: one deleted by hand and made again is another run's
+            if self.fd is None or _same_file(self.fd, self.path):
+                try:
+                    self.path.unlink(missing_ok=True)
+                except OSError:  # a filesystem gone read-only: the lock is released all the same
+                    pass
         if self.fd is not None:
             os.close(self.fd)  # the kernel releases the lock
             self.fd = None

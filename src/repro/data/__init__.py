@@ -33,14 +33,24 @@ from repro.data.augment import (
     crop_flip_batch,
     keyed_crop_flip_params,
 )
-from repro.data.cifar import cifar10, read_cifar_batch
+from repro.data.cifar import (
+    CIFAR10_DIR,
+    CIFAR10_MD5,
+    CIFAR10_URL,
+    cifar10,
+    fetch_cifar10,
+    read_cifar_batch,
+)
 from repro.data.folders import (
     BAD_FILE_ERRNOS,
+    BAD_IMAGE_CHOICES,
     IMAGE_SUFFIXES,
     LazyImageMasks,
     LazyImages,
+    hold_out_test,
     image_folder,
     image_mask_folder,
+    keyed_split,
     read_image,
     read_image_sized,
     read_mask,
@@ -65,10 +75,18 @@ from repro.data.splits import (
     channel_statistics,
     statistics_sample,
 )
-from repro.data.synthetic import synthetic, synthetic_shapes
+from repro.data.synthetic import SHAPES, synthetic, synthetic_shapes
 
 __all__ = [
     "BAD_FILE_ERRNOS",
+    "BAD_IMAGE_CHOICES",
+    "CIFAR10_DIR",
+    "CIFAR10_MD5",
+    "CIFAR10_URL",
+    "SHAPES",
+    "fetch_cifar10",
+    "hold_out_test",
+    "keyed_split",
     "CROP_PAD",
     "Augmented",
     "CenterResize",

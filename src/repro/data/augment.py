@@ -8,14 +8,15 @@ albumentations' are, through :func:`albumentations`; so is your own function.
 
 **Keyed by construction** (:class:`KeyedPipeline`). Before a sample's pipeline runs, the
 global torch (CPU), NumPy (legacy) and Python ``random`` states are set from ``(seed,
-"augment", epoch, index)``, and put back afterwards: a transform that draws from them --
+"augment", epoch, index)`` (and in the main process put back afterwards; a loader worker's
+are left so: nothing else draws from them there): a transform that draws from them --
 torchvision's, most user code -- draws the same numbers for that sample in any worker, any
 process, after any resume, whatever it does not know about keys. A pipeline that accepts a
 ``generator`` argument gets a ``torch.Generator`` keyed the same way; one that accepts
 ``key`` gets ``(seed, epoch, index)`` itself. Before the first step the pipeline is run
-twice under one key and once under another (:func:`check_pipelines`): one with a private
-random state (``np.random.default_rng()`` made at construction) is refused in one line
-naming the transform.
+:data:`REPEATS` times under one key and once under another (:func:`check_pipelines`): one
+with a private random state (``np.random.default_rng()`` made at construction) is refused
+in one line naming the transform.
 
 The shipped transforms draw only from their key, so they skip the global states:
 :class:`CropFlip` (today's pad, crop and flip: draws counted from the key, so a whole batch
@@ -318,17 +319,27 @@ class SegmentationAugment:
 
 
 class Compose:
-    """Transforms one after another; each gets the ``key`` or ``generator`` it asks for."""
+    """Transforms one after another. Those taking a ``generator`` share the sample's one
+    (each draws on where the one before stopped); those taking a ``key`` get the sample's
+    key, the second and later with their place in the list folded into it, so that two of
+    them (two :class:`CropFlip`) do not draw the same numbers."""
 
     def __init__(self, transforms: Sequence[Callable]) -> None:
         self.transforms = list(transforms)
         self.keyed = all(getattr(t, "keyed", False) for t in self.transforms)
 
     def __call__(
-        self, image: torch.Tensor, target: Any, *, key: tuple[int, int, int]
+        self,
+        image: torch.Tensor,
+        target: Any,
+        *,
+        key: tuple[int, int, int],
+        generator: torch.Generator,
     ) -> tuple[torch.Tensor, Any]:
-        for t in self.transforms:
-            image, target = _call(t, image, target, key)
+        seed, epoch, index = key
+        for place, t in enumerate(self.transforms):
+            own = key if place == 0 else (derive_seed(seed, "augment-compose", place), epoch, index)
+            image, target = _call(t, image, target, own, generator)
         return image, target
 
 
@@ -379,16 +390,25 @@ def _accepts(fn: Callable, name: str) -> bool:
     return name in params
 
 
-def _call(fn: Callable, image: torch.Tensor, target: Any, key: tuple[int, int, int]) -> Any:
-    """``fn(image, target)``, with the ``key`` or keyed ``generator`` it accepts."""
+def _call(
+    fn: Callable,
+    image: torch.Tensor,
+    target: Any,
+    key: tuple[int, int, int],
+    generator: torch.Generator | None = None,
+) -> Any:
+    """``fn(image, target)``, with the ``key`` or keyed ``generator`` it accepts (the given
+    one, or one made from the key)."""
     kwargs: dict[str, Any] = {}
     if _accepts(fn, "key"):
         kwargs["key"] = key
     if _accepts(fn, "generator"):
-        seed, epoch, index = key
-        kwargs["generator"] = torch.Generator().manual_seed(
-            derive_seed(seed, "augment-generator", epoch, index)
-        )
+        if generator is None:
+            seed, epoch, index = key
+            generator = torch.Generator().manual_seed(
+                derive_seed(seed, "augment-generator", epoch, index)
+            )
+        kwargs["generator"] = generator
     return fn(image, target, **kwargs)
 
 
@@ -448,6 +468,14 @@ class KeyedPipeline:
         whose draws are counted from the key, a batch at once (:class:`CropFlip`)."""
         p = self.pipeline
         return p is None or (hasattr(p, "keyed_batch") and hasattr(p, "fits_batch"))
+
+    def identity_on(self, split: Any) -> bool:
+        """Does it leave a split in memory as it is (none, or a resize to its own size)?"""
+        p = self.pipeline
+        images = getattr(split, "images", None)
+        return isinstance(images, torch.Tensor) and (
+            p is None or (type(p) is Resize and p.fits_batch(images))
+        )
 
     def batched(self, images: Any) -> bool:
         """Can a stacked batch take the vectorised path (:meth:`keyed_batch`)?"""

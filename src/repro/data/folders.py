@@ -185,13 +185,12 @@ def _pillow():
     return Image
 
 
-def read_image(path: Path, size: int | None = None) -> torch.Tensor:
-    """An image file as uint8 3×H×W (RGB) at its own size, or resized bilinearly to
-    ``size``×``size``."""
-    return read_image_sized(path, size)[0]
+def read_image(path: Path) -> torch.Tensor:
+    """An image file as uint8 3×H×W (RGB) at its own size: the augmentation resizes it."""
+    return read_image_sized(path)[0]
 
 
-def read_image_sized(path: Path, size: int | None = None) -> tuple[torch.Tensor, tuple[int, int]]:
+def read_image_sized(path: Path) -> tuple[torch.Tensor, tuple[int, int]]:
     """:func:`read_image`, and the file's own width and height."""
     Image = _pillow()
     try:
@@ -201,8 +200,6 @@ def read_image_sized(path: Path, size: int | None = None) -> tuple[torch.Tensor,
                 _warn_if_large(path, im.width, im.height, Image.MAX_IMAGE_PIXELS)
                 original = (im.width, im.height)
                 im = im.convert("RGB")
-                if size is not None:
-                    im = im.resize((size, size), Image.BILINEAR)
                 data = bytearray(im.tobytes())
                 shape = (im.height, im.width, 3)
     except Exception as err:  # OSError, PIL's DecompressionBombError, a decoder's ValueError
@@ -308,9 +305,6 @@ class LazyImageMasks:
             )
             images.append(image)
         return images, masks
-
-    def fetch_images(self, index: torch.Tensor) -> list[torch.Tensor]:
-        return [read_image(self.images[i]) for i in index.tolist()]
 
 
 def image_mask_folder(

@@ -152,8 +152,8 @@ class DeviceBatches:
         stored, without augmentation)."""
         b = self.batches
         every = torch.arange(len(b.split), device=device)
-        if b.pipeline.pipeline is None:
-            return b.split.fetch(every)
+        if b.pipeline.identity_on(b.split):  # no augmentation (augment=none): the split itself
+            return b.split.images, b.split.labels
         images, _ = b.split.fetch(every[:1])
         chunk = max(1, self.CHUNK_BYTES // (images[0, 0].numel() * 8))
         first = b.fetch(epoch, every[:chunk])
