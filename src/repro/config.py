@@ -397,14 +397,19 @@ def _validate_target(cfg: DictConfig, group: str) -> None:
             f"config error: {group} has no _target_; pick a preset ({group}=...) or give "
             f"{group}._target_=package.module.Factory."
         )
+    _check_arguments(group, node, _locate_target(group, str(node._target_)))
+
+
+def _locate_target(key: str, dotted: str, hint: str = "") -> Any:
+    """The object a ``_target_`` names, or one line saying it cannot be imported."""
     try:
-        target = locate(node._target_)
+        return locate(dotted)
     except Exception as err:
         raise ConfigError(
-            f"config error: {group}._target_={node._target_!r} cannot be imported "
-            f"({type(err).__name__}); check the dotted path and that its package is installed."
+            f"config error: {key}._target_={dotted!r} cannot be imported "
+            f"({type(err).__name__}); check the dotted path and that its package is installed"
+            f"{hint}."
         ) from None
-    _check_arguments(group, node, target)
 
 
 GONE = {
@@ -437,14 +442,8 @@ def _validate_augment(cfg: DictConfig) -> None:
                 f"config error: augment.{part} has no _target_; give "
                 f"augment.{part}._target_=package.module.pipeline, or null for none."
             )
-        try:
-            target = locate(entry._target_)
-        except Exception as err:
-            raise ConfigError(
-                f"config error: augment.{part}._target_={entry._target_!r} cannot be imported "
-                f"({type(err).__name__}); check the dotted path and that its package is "
-                "installed (torchvision: pip install -e '.[torchvision]')."
-            ) from None
+        hint = " (torchvision: pip install -e '.[torchvision]')"
+        target = _locate_target(f"augment.{part}", str(entry._target_), hint)
         _check_arguments(f"augment.{part}", entry, target)
 
 
@@ -461,13 +460,7 @@ def _validate_loggers(node: Any) -> None:
                 f"config error: logger.{name} has no _target_; choose loggers from conf/logger/ "
                 "(logger=[csv,tensorboard]), or give logger.{name}._target_=module.YourLogger."
             )
-        try:
-            target = locate(entry._target_)
-        except Exception as err:
-            raise ConfigError(
-                f"config error: logger.{name}._target_={entry._target_!r} cannot be imported "
-                f"({type(err).__name__}); check the dotted path."
-            ) from None
+        target = _locate_target(f"logger.{name}", str(entry._target_))
         from repro.loggers import Logger
 
         if not (inspect.isclass(target) and issubclass(target, Logger)):
