@@ -23,14 +23,21 @@ TINY = [
 ]
 
 
-def sweep(cwd, *overrides):
-    """`python train.py -m ...` in cwd; returns (completed process, the sweep directory)."""
+def sweep(cwd, *overrides, real=False):
+    """`python train.py -m ...` in cwd; returns (completed process, the sweep directory).
+    ``real``: a real interpreter (joblib's loky workers, started from a forked test process,
+    keep it from exiting for minutes)."""
     env = user_env(
         PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
     )
     cwd.mkdir(parents=True, exist_ok=True)
     proc = launch.run(
-        train_cmd("-m", *TINY, *overrides), cwd=cwd, env=env, capture_output=True, text=True
+        train_cmd("-m", *TINY, *overrides),
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        real=real,
     )
     (sweep_dir,) = (cwd / "multirun").glob("*/*/")
     return proc, sweep_dir
@@ -104,7 +111,9 @@ def test_a_failed_job_is_reported_and_the_others_still_are(tmp_path):
 def test_parallel_launcher_gives_the_sequential_bits(sequential, tmp_path):
     """Two jobs at once (one round of the 2 joblib workers: a CI budget), the sequential
     sweep's first two jobs (lr 0.05, seeds 0 and 1), job by job."""
-    proc, sweep_dir = sweep(tmp_path, "optim.lr=0.05", "seed=0,1", "hydra/launcher=parallel")
+    proc, sweep_dir = sweep(
+        tmp_path, "optim.lr=0.05", "seed=0,1", "hydra/launcher=parallel", real=True
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Joblib.Parallel(n_jobs=2" in proc.stdout + proc.stderr
     parallel, reference = digests(sweep_dir), digests(sequential)
