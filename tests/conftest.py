@@ -171,15 +171,16 @@ class _Records(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def train_here(run_dir: Path, *overrides: str, after_step=None) -> Run:
+def train_here(run_dir: Path, *overrides: str, after_step=None, conf_dir: Path = CONF_DIR) -> Run:
     """``repro.loop.train`` in this process, on the config ``train.py`` would compose (no
-    Hydra run: no ``.hydra/`` or ``train.log``). Errors are raised, as the exception."""
+    Hydra run: no ``.hydra/`` or ``train.log``) from ``conf_dir``. Errors are raised, as the
+    exception."""
     from repro.config import compose
     from repro.loop import train
 
     if not _loader_chosen(overrides):
         overrides = ("loader=single", *overrides)
-    cfg = compose(list(overrides), CONF_DIR)
+    cfg = compose(list(overrides), conf_dir)
     logger, records = logging.getLogger("repro"), _Records()
     level = logger.level
     logger.addHandler(records)

@@ -70,3 +70,17 @@ class MisnamedHeadline(Classification):
 class UnprefixedMetric(Classification):
     def metrics(self, totals):
         return {**super().metrics(totals), "accuracy": 0.0}
+
+
+class TinySegNet(nn.Module):
+    """A segmentation model that takes ``num_classes`` only: logits N×C×H×W at the input's
+    size, for any preset that selects it (``experiment=segmentation model=...``)."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(4, 8), nn.ReLU(), nn.Conv2d(8, num_classes, 1)
+        )
+
+    def forward(self, x):
+        return self.body(x)

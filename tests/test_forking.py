@@ -3,18 +3,21 @@ edited. The plug-ins live outside src/ (tests/forked_project.py), as a fork's wo
 
 import csv
 import json
+import shlex
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, SMALL_DATA, train_here
+from conftest import CONF_DIR, ROOT, SMALL_DATA, train_here
 from repro.build import accepted
 from repro.config import compose
 from repro.errors import ConfigError
 from repro.tasks import Classification, Task
 
 STEPS = ["trainer.max_steps=8", "trainer.eval_every=4", *SMALL_DATA]
-# the preset's keys (width, dropout) go with it: ~model starts the model from none
+# the default model's keys (width, dropout) go with it: ~model starts the model from none
 TINY_NET = ["~model", "+model._target_=forked_project.TinyNet"]
 SMOOTHING = "task._target_=forked_project.LabelSmoothing"
 
@@ -59,14 +62,51 @@ def test_a_zoo_style_constructor_plugs_in_by_its_target(tmp_path):
     assert run.summary["steps"] == 8 and "TinyNet" in run.output
 
 
-def test_a_preset_key_the_new_target_does_not_take_says_how_to_start_from_none():
+def test_keys_the_new_target_does_not_take_are_named_and_dropping_them_works():
     with pytest.raises(ConfigError) as err:
         compose(["model._target_=forked_project.TinyNet"])
     assert str(err.value) == (
         "config error: model.dropout is not an argument of forked_project.TinyNet; allowed: "
-        "width; to replace a preset's target without its keys, start from none: "
-        "~model +model._target_=forked_project.TinyNet"
+        "width; drop it (set by its YAML or a preset): '~model.dropout'"
     )
+    cfg = compose(["model._target_=forked_project.TinyNet", "~model.dropout"])
+    assert dict(cfg.model) == {"_target_": "forked_project.TinyNet", "width": 32}
+
+
+def forked_conf(tmp_path: Path) -> Path:
+    """This conf/ plus what a fork adds: a segmentation model taking only num_classes, and a
+    preset of its own that sets model keys in its body."""
+    conf = shutil.copytree(CONF_DIR, tmp_path / "conf")
+    (conf / "model" / "tinyseg.yaml").write_text("_target_: forked_project.TinySegNet\n")
+    (conf / "experiment" / "wide.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /model: unet\nmodel:\n  width: 64\n"
+        "  depth: 2\n"
+    )
+    return conf
+
+
+def test_a_shipped_preset_trains_with_a_model_taking_only_num_classes(tmp_path):
+    conf = forked_conf(tmp_path)
+    small = ["trainer.max_steps=2", "trainer.eval_every=2", "data.train_size=64"]
+    small += ["data.val_size=16", "trainer.batch_size=16", "trainer.micro_batch_size=8"]
+    run = train_here(
+        tmp_path / "run", "experiment=segmentation", "model=tinyseg", *small, conf_dir=conf
+    )
+    assert run.summary["steps"] == 2 and "TinySegNet" in run.output
+    assert run.summary["headline"] == "val_dice"
+
+
+def test_a_preset_body_that_sets_model_keys_says_which_to_drop_and_that_works(tmp_path):
+    conf = forked_conf(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        compose(["experiment=wide", "model=tinyseg"], conf)
+    message = str(err.value)
+    assert message.startswith("config error: model.width, model.depth are not arguments of ")
+    advice = shlex.split(message.rsplit(": ", 1)[1])
+    assert advice == ["~model.width", "~model.depth"]
+    assert dict(compose(["experiment=wide", "model=tinyseg", *advice], conf).model) == {
+        "_target_": "forked_project.TinySegNet"
+    }
 
 
 def test_a_torchvision_model_plugs_in_with_one_line(tmp_path):

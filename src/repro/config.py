@@ -29,7 +29,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from repro.errors import ConfigError
+from repro.errors import ConfigError, MissingPackage
 
 
 class DeterminismMode(StrEnum):
@@ -204,14 +204,17 @@ def locate(path: str) -> Any:
     """Import ``package.module.attr`` (the longest importable module prefix, then attributes)."""
     parts = path.split(".")
     for i in range(len(parts) - 1, 0, -1):
+        module = ".".join(parts[:i])
         try:
-            obj = importlib.import_module(".".join(parts[:i]))
-        except ModuleNotFoundError:
+            obj = importlib.import_module(module)
+        except ModuleNotFoundError as err:
+            if err.name is not None and not module.startswith(err.name):
+                raise  # the module exists but imports something that does not: say what
             continue
         for attr in parts[i:]:
             obj = getattr(obj, attr)
         return obj
-    raise ImportError(f"no module found for {path!r}")
+    raise ModuleNotFoundError(f"no module named {parts[0]!r} (for {path!r})", name=parts[0])
 
 
 def _fail(key: str, value: Any, allowed: str) -> None:
@@ -404,6 +407,21 @@ def _locate_target(key: str, dotted: str, hint: str = "") -> Any:
     """The object a ``_target_`` names, or one line saying it cannot be imported."""
     try:
         return locate(dotted)
+    except ModuleNotFoundError as err:
+        package = (err.name or "").split(".")[0]
+        own = (Path(__file__).resolve().parents[1] / package).is_dir()  # src/<package>
+        if package and not own and importlib.util.find_spec(package) is None:
+            how = hint or f" (make add PKG={package}: at the pinned torch)"
+            raise MissingPackage(
+                f"config error: {key}._target_={dotted!r} needs the package {package!r}, which "
+                f"is not installed{how}.",
+                package,
+            ) from None
+        raise ConfigError(
+            f"config error: {key}._target_={dotted!r} cannot be imported "
+            f"({type(err).__name__}: {err}); check the dotted path and that its package is "
+            f"installed{hint}."
+        ) from None
     except Exception as err:
         raise ConfigError(
             f"config error: {key}._target_={dotted!r} cannot be imported "
@@ -471,9 +489,10 @@ def _validate_loggers(node: Any) -> None:
         _check_arguments(f"logger.{name}", entry, target)
         module, extra = target.requires or (None, None)
         if module is not None and importlib.util.find_spec(module) is None:
-            raise ConfigError(
+            raise MissingPackage(
                 f"config error: logger={name} needs the {module} package, which is not "
-                f"installed: pip install -e '.[{extra}]' (or leave {name} out of logger=)."
+                f"installed: pip install -e '.[{extra}]' (or leave {name} out of logger=).",
+                module,
             )
         arguments = OmegaConf.to_container(entry, resolve=True)
         target(**{k: v for k, v in arguments.items() if not k.startswith("_")})  # its checks
@@ -522,17 +541,22 @@ def _check_arguments(group: str, node: DictConfig, target: Any) -> None:
         return  # not introspectable: leave it to the call
     params = signature.parameters
     takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    for key, value in node.items():
-        if key.startswith("_") or key in LOOP_KEYS.get(group, ()):
-            continue
-        if key not in params and not takes_kwargs:
-            passed = TARGET_GROUPS.get(group, set())
-            allowed = ", ".join(k for k in params if k not in passed and k != "self") or "none"
-            raise ConfigError(
-                f"config error: {group}.{key} is not an argument of {node._target_}; allowed: "
-                f"{allowed}; to replace a preset's target without its keys, start from none: "
-                f"~{group} +{group}._target_={node._target_}"
-            )
+    own = [k for k in node if not k.startswith("_") and k not in LOOP_KEYS.get(group, ())]
+    unknown = [] if takes_kwargs else [k for k in own if k not in params]
+    if unknown:
+        # The keys may come from the option's YAML or from a preset's body (experiment=...):
+        # deleting each one works wherever it was set.
+        passed = TARGET_GROUPS.get(group, set())
+        allowed = ", ".join(k for k in params if k not in passed and k != "self") or "none"
+        names = ", ".join(f"{group}.{k}" for k in unknown)
+        verb = "is not an argument" if len(unknown) == 1 else "are not arguments"
+        drop = " ".join(f"'~{group}.{k}'" for k in unknown)
+        raise ConfigError(
+            f"config error: {names} {verb} of {node._target_}; allowed: {allowed}; drop "
+            f"{'it' if len(unknown) == 1 else 'them'} (set by its YAML or a preset): {drop}"
+        )
+    for key in own:
+        value = node[key]
         hint = _checkable(hints.get(key))
         if hint is not None:
             ok, phrase = _accepts(hint, value)
@@ -665,11 +689,48 @@ def check_overrides(args: list[str], conf_dir: Path) -> None:
             )
         tp = _field_type(key)
         if tp is None:
+            if o.is_add() or o.is_force_add() or extra_search_path:
+                continue
+            _check_target_key(key, o.input_line or key, args, conf_dir)
             continue
         for v in values:
             ok, phrase = _accepts(tp, v)
             if not ok:
                 raise ConfigError(f"config error: {key}={v!r} is invalid; allowed: {phrase}.")
+
+
+def _check_target_key(key: str, override: str, args: list[str], conf_dir: Path) -> None:
+    """``task.gamma=1.0`` where the composed ``task`` has no ``gamma``: one line naming the
+    group's target and the ``+`` that adds the key, instead of Hydra's five. A key some YAML of
+    the group (or a preset) sets is left to Hydra: this composes only for the others."""
+    group, _, name = key.partition(".")
+    if "." in name or not (conf_dir / group).is_dir():
+        return
+    for path in [*(conf_dir / group).glob("*.yaml"), *(conf_dir / "experiment").glob("*.yaml")]:
+        try:
+            text = path.read_text()
+        except OSError:
+            continue
+        if re.search(rf"^\s*{re.escape(name)}\s*:", text, re.MULTILINE):
+            return  # set somewhere: most likely in this run's option too; Hydra has the last word
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    others = [a for a in args if "=" in a and not a.startswith("-") and a != override]
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir.resolve()), version_base="1.3"):
+            node = hydra_compose("train", overrides=others).get(group)
+    except (HydraException, OmegaConfBaseException):
+        return  # another override is wrong: Hydra names it
+    if not isinstance(node, DictConfig) or name in node:
+        return
+    target = node.get("_target_", group)
+    raise ConfigError(
+        f"config error: {key} is not a key of {group} ({target}); if {target} takes it, add "
+        f"it with a +: +{override}"
+    )
 
 
 def resolved_container(cfg: DictConfig) -> dict[str, Any]:

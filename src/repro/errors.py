@@ -23,6 +23,15 @@ class ConfigError(ReproError):
     """A bad config value."""
 
 
+class MissingPackage(ConfigError):
+    """A ``_target_`` that needs a package which is not installed (an optional extra, a model
+    zoo): ``package`` names it."""
+
+    def __init__(self, message: str, package: str) -> None:
+        super().__init__(message)
+        self.package = package
+
+
 class DeterminismError(ReproError):
     """A determinism requirement that is not in effect."""
 
