@@ -1,10 +1,12 @@
 """The trace every run writes, and `repro compare`: identical, or where and how much."""
 
 import csv
+import hashlib
 import json
 import math
 import shutil
 import struct
+import subprocess
 import sys
 
 import pytest
@@ -14,7 +16,7 @@ import launch
 from conftest import SHORT, SMALL_DATA, train_here, user_env
 from repro.checkpoint import checkpoint_path
 from repro.compare import compare_dirs
-from repro.fingerprint import ISA_FLAG
+from repro.fingerprint import ISA_FLAG, git_state
 from repro.trace import BackgroundDigests, state_digests
 
 
@@ -109,7 +111,7 @@ def test_env_json_records_versions_flags_variables_git_and_config(runs):
     assert env["flags"]["intra_op_threads"] == 2
     assert env["env_vars"]["PYTHONHASHSEED"] == "0"
     assert "CUBLAS_WORKSPACE_CONFIG" in env["env_vars"]
-    assert {"commit", "dirty", "diff_sha256"} <= env["git"].keys()
+    assert {"commit", "dirty", "diff_sha256", "untracked"} <= env["git"].keys()
     assert env["config_hash"] == run.summary["config_hash"]
     assert env["config"]["seed"] == 0
     # the CPU's instruction set: the kernels of a CPU run dispatch by it
@@ -118,6 +120,42 @@ def test_env_json_records_versions_flags_variables_git_and_config(runs):
     assert isa is None or (isa == sorted(isa) and all(ISA_FLAG.fullmatch(f) for f in isa))
     assert env["environment"]["cpu_dispatch_limits"] == {}  # no variable caps it here
     assert "ONEDNN_MAX_CPU_ISA" in env["env_vars"] and "ATEN_CPU_CAPABILITY" in env["env_vars"]
+
+
+def test_untracked_code_and_config_make_the_checkout_dirty_and_compare_names_them(
+    runs, tmp_path
+):
+    """A fork's new model file before its first commit: env.json names it (with a digest of
+    its content) and calls the checkout dirty; files outside src/ and conf/ do not count;
+    repro compare lists the difference."""
+    repo = tmp_path / "repo"
+    (repo / "src" / "mylab").mkdir(parents=True)
+    (repo / "conf").mkdir()
+    (repo / "README.md").write_text("x\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "init"], check=True)
+    clean = git_state(repo)
+    assert clean["dirty"] is False and clean["untracked"] == {}
+    (repo / "outputs").mkdir()
+    (repo / "outputs" / "run.log").write_text("a run's output\n")
+    assert git_state(repo)["dirty"] is False
+    (repo / "src" / "mylab" / "model.py").write_text("class Net: ...\n")
+    state = git_state(repo)
+    assert state["dirty"] is True and state["diff_sha256"] is None
+    digest = hashlib.sha256(b"class Net: ...\n").hexdigest()
+    assert state["untracked"] == {"src/mylab/model.py": digest}
+    # one run from the clean checkout, one with the new file: compare names it
+    for name, git in (("a", clean), ("b", state)):
+        shutil.copytree(runs["a"].dir, tmp_path / name)
+        env = json.loads((tmp_path / name / "env.json").read_text())
+        env["git"] = git
+        (tmp_path / name / "env.json").write_text(json.dumps(env))
+    out = repro("compare", str(tmp_path / "a"), str(tmp_path / "b"))
+    assert out.returncode == 0, out.stdout
+    assert f"git.untracked.src/mylab/model.py: (absent) vs {digest}" in out.stdout
+    assert "git.dirty: False vs True" in out.stdout
 
 
 @pytest.mark.e2e

@@ -58,8 +58,16 @@ def test_a_target_gets_only_the_keys_its_signature_takes():
 
 def test_a_zoo_style_constructor_plugs_in_by_its_target(tmp_path):
     zoo = ["~model", "+model._target_=forked_project.zoo_model"]
-    run = train_here(tmp_path / "zoo", *STEPS, *zoo)
+    run = train_here(tmp_path / "zoo", *STEPS, *zoo, "+model.num_classes=12")
     assert run.summary["steps"] == 8 and "TinyNet" in run.output
+    # a class count in the model's YAML wins over the data's, with one line saying so
+    warned = [line for line in run.output.splitlines() if "model.num_classes=12" in line]
+    assert warned == [
+        "model.num_classes=12 but the data (repro.data.synthetic) has 10: the model's YAML "
+        "wins; leave num_classes out of it to follow the data."
+    ]
+    state = torch.load(run.dir / "checkpoint.pt", weights_only=True)["model"]
+    assert state["head.weight"].shape == (12, 8)
 
 
 def test_keys_the_new_target_does_not_take_are_named_and_dropping_them_works():

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,8 @@ from repro.tasks import Task
 
 # Passed into a target's **kwargs when its signature does not name the key.
 THROUGH_KWARGS = {"num_classes"}
+
+log = logging.getLogger("repro")
 
 
 def accepted(target: Any, available: dict[str, Any], explicit: set[str]) -> dict[str, Any]:
@@ -138,6 +141,13 @@ def build_model(cfg: DictConfig, data: DataSplits, device: torch.device) -> nn.M
     in that memory format) and, with ``trainer.compile``, compile it: with static shapes,
     so that a micro-batch's kernels do not depend on which shapes were seen before (an
     evaluation's, a resume's)."""
+    for key, known in (("num_classes", data.num_classes), ("in_channels", data.in_channels)):
+        if key in cfg.model and cfg.model[key] != known:
+            log.warning(
+                "model.%s=%s but the data (%s) has %s: the model's YAML wins; leave %s out of "
+                "it to follow the data.",
+                key, cfg.model[key], cfg.data._target_, known, key,
+            )  # fmt: skip
     with torch.random.fork_rng(devices=[]):  # CPU generator only; restored afterwards
         torch.default_generator.manual_seed(derive_seed(int(cfg.seed), "init"))
         model = instantiate_target(

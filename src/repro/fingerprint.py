@@ -107,15 +107,22 @@ def relevant_env_vars() -> dict[str, str | None]:
     return env
 
 
+# Untracked files in these folders of the checkout are code or config a run may have used (a
+# fork's new model before its first commit): they make the checkout dirty.
+UNTRACKED_WATCHED = ("src", "conf")
+
+
 def git_state(path: Path | None = None) -> dict[str, Any]:
-    """Commit, dirty flag and a hash of the diff of the git checkout holding ``path`` (default:
-    this package's source). Untracked files are not counted: run outputs would be."""
+    """Commit, dirty flag, a hash of the diff of the git checkout holding ``path`` (default:
+    this package's source), and the untracked files under its ``src/`` and ``conf/`` (not
+    ignored), each with the SHA-256 of its content: they count as dirty. Untracked files
+    elsewhere are not counted: run outputs would be."""
     where = str(path or Path(__file__).resolve().parent)
 
-    def git(*args: str) -> str | None:
+    def git(*args: str, cwd: str = where) -> str | None:
         try:
             out = subprocess.run(
-                ["git", "-C", where, *args], capture_output=True, timeout=30, check=True
+                ["git", "-C", cwd, *args], capture_output=True, timeout=30, check=True
             )
         except (OSError, subprocess.SubprocessError):
             return None
@@ -125,10 +132,19 @@ def git_state(path: Path | None = None) -> dict[str, Any]:
     if commit is None:
         return {"commit": None, "dirty": None, "diff_sha256": None, "note": "not a git checkout"}
     diff = git("diff", "HEAD", "--binary") or ""
+    top = (git("rev-parse", "--show-toplevel") or where).strip()
+    listed = git("ls-files", "--others", "--exclude-standard", "-z", "--", *UNTRACKED_WATCHED, cwd=top)
+    untracked = {}
+    for name in sorted(filter(None, (listed or "").split("\0"))):
+        try:
+            untracked[name] = hashlib.sha256((Path(top) / name).read_bytes()).hexdigest()
+        except OSError:
+            untracked[name] = None  # gone or unreadable since it was listed
     return {
         "commit": commit.strip(),
-        "dirty": bool(diff),
+        "dirty": bool(diff or untracked),
         "diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if diff else None,
+        "untracked": untracked,
     }
 
 
