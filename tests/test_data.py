@@ -152,6 +152,22 @@ def test_image_folder_reads_class_folders(tmp_path):
     assert d.test is None
 
 
+def test_image_folder_names_its_classes_and_reads_grayscale_with_channels_1(tmp_path):
+    pytest.importorskip("PIL")
+    _write_images(tmp_path, ["cat", "dog", "emu"], 4)
+    gray = image_folder(str(tmp_path), image_size=16, val_fraction=0.25, seed=0, channels=1)
+    rgb = image_folder(str(tmp_path), image_size=16, val_fraction=0.25, seed=0, in_memory=True)
+    assert gray.class_names == rgb.class_names == ("cat", "dog", "emu")
+    assert gray.in_channels == 1 and rgb.in_channels == 3
+    images, _ = gray.train.fetch(torch.arange(2))
+    assert [tuple(i.shape) for i in images] == [(1, 12, 20)] * 2
+    # Pillow's L conversion of the RGB pixels: 299/587/114 weights, rounded
+    r, g, b = (int(v) for v in rgb.train.images[0][:, 0, 0])
+    assert int(images[0][0, 0, 0]) == (r * 299 + g * 587 + b * 114 + 500) // 1000
+    with pytest.raises(DataError, match=r"data.channels=2 is invalid; allowed: 3 \(RGB\) or 1"):
+        image_folder(str(tmp_path), channels=2)
+
+
 def test_image_folder_errors_name_the_path(tmp_path):
     pytest.importorskip("PIL")
     with pytest.raises(DataError, match="data.path=.*not a directory"):

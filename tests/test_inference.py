@@ -114,12 +114,40 @@ def test_repro_predict_writes_the_same_bytes_twice_and_refuses_to_overwrite(test
     assert first.read_bytes() == before
 
 
+def test_a_grayscale_folder_run_records_its_class_names_and_predict_writes_them(tmp_path):
+    pytest.importorskip("PIL")
+    from PIL import Image
+
+    for c, name in enumerate(("cat", "dog")):
+        (tmp_path / "images" / name).mkdir(parents=True)
+        for i in range(12):
+            Image.new("L", (16, 16), 60 + 120 * c + i).save(tmp_path / "images" / name / f"{i}.png")
+    args = [f"data.path={tmp_path / 'images'}", "data=image_folder", "data.channels=1"]
+    args += ["data.image_size=16", "data.val_fraction=0.25", "trainer.batch_size=8"]
+    args += ["trainer.micro_batch_size=4", "trainer.max_steps=2", "trainer.eval_every=2"]
+    run = train_here(tmp_path / "run", *args, "model.width=8")
+    assert run.summary["class_names"] == ["cat", "dog"]
+    weights = torch.load(run.dir / "checkpoint.pt", weights_only=True)["model"]
+    assert next(w for w in weights.values() if w.dim() == 4).shape[1] == 1  # one channel in
+    cfg = compose([*args, "model.width=8"], ROOT / "conf")
+    out = tmp_path / "predictions.csv"
+    predict(cfg, run.dir / "checkpoint.pt", torch.device("cpu"), tmp_path / "images", out)
+    with open(out) as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0])[:4] == ["file", "prediction", "class", "p0"]
+    assert all(r["class"] == ("cat", "dog")[int(r["prediction"])] for r in rows) and len(rows) == 24
+
+
 @pytest.mark.e2e
 def test_a_run_without_a_test_split_is_one_line(traced_runs, tmp_path):
     run = traced_runs["a"]
     cfg = compose(TRACED, ROOT / "conf")
     with pytest.raises(ConfigError, match=r"has no test split; give it one \(data.test_size"):
         evaluate_checkpoint(cfg, run.dir / "checkpoint.pt", torch.device("cpu"))
+    out = repro("evaluate", run.dir)  # the command line names the way out, which works
+    assert out.returncode == 2 and out.stderr.strip().endswith("validation split: --split val.")
+    val = repro("evaluate", run.dir, "--split", "val")
+    assert val.returncode == 0, val.stderr
     with pytest.raises(ConfigError, match="trainer.test=true, but data .* has no test split"):
         train_here(tmp_path / "run", *SMALL_DATA, "trainer.max_steps=1", "trainer.test=true")
     assert not (tmp_path / "run").exists()  # refused before the run directory was made

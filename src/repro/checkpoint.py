@@ -507,7 +507,8 @@ def upgrade_config(config: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint's config in today's shape, so that one written before the optimizer was
     a ``_partial_`` target (``optim.name``, ``optim.implementation``, ``optim.schedule``,
     ``optim.warmup_steps``), before tasks (classification) and before the ``augment`` group
-    (``data.augment``: true is ``crop_flip``, false ``none``) resumes when nothing that
+    (``data.augment``: true is ``crop_flip``, false ``none``) and ``data.channels`` (RGB
+    then) resumes when nothing that
     decides the bits changed: the same SGD or AdamW, schedule, loss and augmentation. Not
     for the image folders: they resized each image as they read it then, so their bits
     differ now, and the difference is named."""
@@ -545,6 +546,8 @@ def upgrade_config(config: dict[str, Any]) -> dict[str, Any]:
         kept = {"_target_": "repro.data.augment.Resize", "size": size}
         config["augment"] = {"train": crop_flip if data.pop("augment") else kept, "eval": kept}
         config["data"] = data
+    if str(data.get("_target_")).endswith(folders) and "channels" not in data:
+        config["data"] = {**data, "channels": 3}  # before data.channels: RGB
     return config
 
 

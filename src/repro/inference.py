@@ -64,7 +64,8 @@ def evaluate_checkpoint(
     if held_out is None:
         raise ConfigError(
             f"data ({cfg.data._target_}) has no test split; give it one (data.test_size for "
-            "the synthetic sets, data.test_fraction for image_folder), or evaluate on val."
+            "the synthetic sets, data.test_fraction for the image folders), or evaluate the "
+            "validation split: --split val."
         )
     loaded = read_checkpoint(checkpoint, map_location=device)  # verified
     state = loaded.state
@@ -139,8 +140,9 @@ def predict(
     and brought to ``data.image_size`` by the run's evaluation pipeline, as its validation
     images are; normalised with the run's statistics), in batches of
     ``trainer.eval_batch_size``, in evaluation mode (the weight average with ``trainer.ema``).
-    Classification: ``out`` is a CSV of ``file, prediction`` and each class's probability
-    (``repr`` floats: exact). Segmentation: ``out`` is a folder of ``<file>.png`` class masks.
+    Classification: ``out`` is a CSV of ``file, prediction``, the class's name (when the data
+    names its classes: an image folder's sub-folders) and each class's probability (``repr``
+    floats: exact). Segmentation: ``out`` is a folder of ``<file>.png`` class masks.
     Deterministic: the same bytes every time on the same machine; a config that differs from
     the checkpoint's where it can change them is refused, unless ``force``. Returns the
     count."""
@@ -164,7 +166,7 @@ def predict(
     with torch.no_grad(), training.evaluated_weights():
         for i in range(0, len(files), batch):
             part = files[i : i + batch]
-            images = [read_image(p) for p in part]
+            images = [read_image(p, data.in_channels) for p in part]
             index = torch.arange(i, i + len(part))
             images, _ = data.eval_pipeline.samples(images, [0] * len(part), torch.zeros(1), index)
             x, _ = normalize(images, torch.zeros(len(images), dtype=torch.int64))
@@ -176,20 +178,27 @@ def predict(
                 results.append(outputs.argmax(dim=1).to(torch.uint8).cpu())
     scores = torch.cat(results)
     if scores.dim() == 2:
-        _write_probabilities(out, names, scores)
+        _write_probabilities(out, names, scores, data.class_names)
     else:
         _write_masks(out, names, scores)
     return len(files)
 
 
-def _write_probabilities(out: Path, names: list[str], probs: torch.Tensor) -> None:
+def _write_probabilities(
+    out: Path, names: list[str], probs: torch.Tensor, classes: tuple[str, ...] | None
+) -> None:
+    """``file, prediction[, class], p0, p1...``: ``class`` is the predicted class's name when
+    the dataset names its classes (an image folder's sub-folders)."""
     from repro.checkpoint import atomic_write
 
-    header = ["file", "prediction", *(f"p{c}" for c in range(probs.shape[1]))]
+    named = classes is not None and len(classes) == probs.shape[1]
+    header = ["file", "prediction", *(["class"] if named else [])]
+    header += [f"p{c}" for c in range(probs.shape[1])]
     lines = [",".join(header)]
     for name, p in zip(names, probs.tolist(), strict=True):
         best = max(range(len(p)), key=p.__getitem__)
-        lines.append(",".join([_csv_field(name), str(best), *map(repr, p)]))
+        label = [_csv_field(classes[best])] if named else []
+        lines.append(",".join([_csv_field(name), str(best), *label, *map(repr, p)]))
     text = "\n".join(lines) + "\n"
     atomic_write(out, lambda f: f.write(text.encode()))
 

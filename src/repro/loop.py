@@ -468,6 +468,7 @@ def finish(
         **logs.last_metrics,
         "headline": headline,
         "metric_names": list(logs.last_metrics),
+        "class_names": list(data.class_names) if data.class_names else None,
         "seed": training.seed,
         "device": str(run.device),
         "world_size": run.world.size,

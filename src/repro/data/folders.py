@@ -42,12 +42,14 @@ def image_folder(
     in_memory: bool = False,
     on_bad_image: str = "stop",
     test_fraction: float = 0.0,
+    channels: int = 3,
 ) -> DataSplits:
-    """Your own images, one sub-folder per class (``root/cat/1.png``, ``root/dog/7.jpg``).
+    """Your own images, one sub-folder per class (``root/cat/1.png``, ``root/dog/7.jpg``);
+    the folder names are the class names (``DataSplits.class_names``, in sorted order).
 
     Classes and files are taken in sorted order and the validation split is a permutation
     keyed by ``seed``, so the same folder gives the same splits everywhere. Each image is
-    read (RGB, at its own size) when fetched, in the loader's workers (:class:`LazyImages`:
+    read (``channels`` 3: RGB, 1: grayscale; at its own size) when fetched, in the loader's workers (:class:`LazyImages`:
     memory does not grow with the folder), or, with ``in_memory``, all of them once, up
     front, kept as they are (:class:`ImageList`: faster for a small folder); the ``augment``
     pipelines bring them to ``image_size``×``image_size``. Both read every file with the same
@@ -59,6 +61,7 @@ def image_folder(
     naming it) or ``skip`` (it is replaced by the next readable file of its split, in file
     order -- the same one in any worker, process or resume -- and named in a warning)."""
     _pillow()
+    _check_channels(channels)
     root = Path(path).expanduser()
     if not root.is_dir():
         raise DataError(
@@ -93,7 +96,7 @@ def image_folder(
     )
 
     def split(index: torch.Tensor) -> Split:
-        lazy = LazyImages([files[i][0] for i in index], labels[index], on_bad_image)
+        lazy = LazyImages([files[i][0] for i in index], labels[index], on_bad_image, channels)
         return lazy.read_all() if in_memory else lazy
 
     return DataSplits(
@@ -102,7 +105,15 @@ def image_folder(
         len(classes),
         test=split(test_idx) if test_idx is not None else None,
         image_size=image_size,
+        class_names=tuple(classes),
     )
+
+
+def _check_channels(channels: int) -> None:
+    if channels not in (1, 3):
+        raise DataError(
+            f"data.channels={channels} is invalid; allowed: 3 (RGB) or 1 (grayscale)."
+        )
 
 
 def hold_out_test(
@@ -128,16 +139,19 @@ BAD_IMAGE_CHOICES = ("stop", "skip")
 
 
 class LazyImages:
-    """A split of labelled image files read when fetched (RGB, each at its own size): in the
-    loader's workers during training, so memory does not grow with the dataset.
+    """A split of labelled image files read when fetched (``channels``: 3 RGB, 1 grayscale;
+    each at its own size): in the loader's workers during training, so memory does not grow
+    with the dataset.
     ``on_bad_image="skip"``: a file that cannot be read is replaced by the next readable
     file in the split's order (its label with it), named once per process in a warning."""
 
-    channels = 3
     device = torch.device("cpu")
 
-    def __init__(self, files: list[Path], labels: torch.Tensor, on_bad_image: str) -> None:
+    def __init__(
+        self, files: list[Path], labels: torch.Tensor, on_bad_image: str, channels: int = 3
+    ) -> None:
         self.files, self.labels, self.on_bad_image = files, labels, on_bad_image
+        self.channels = channels
         self._skipped: set[int] = set()
 
     def __len__(self) -> int:
@@ -151,12 +165,12 @@ class LazyImages:
     def _read(self, i: int) -> tuple[int, torch.Tensor]:
         """(the file actually read, its image): ``i``, or with ``skip`` the next readable."""
         if self.on_bad_image == "stop":
-            return i, read_image(self.files[i])
+            return i, read_image(self.files[i], self.channels)
         n = len(self.files)
         for j in (i + k for k in range(n)):
             j %= n
             try:
-                return j, read_image(self.files[j])
+                return j, read_image(self.files[j], self.channels)
             except DataError as err:
                 cause = err.__cause__
                 if isinstance(cause, OSError) and cause.errno not in (None, *BAD_FILE_ERRNOS):
@@ -185,12 +199,13 @@ def _pillow():
     return Image
 
 
-def read_image(path: Path) -> torch.Tensor:
-    """An image file as uint8 3×H×W (RGB) at its own size: the augmentation resizes it."""
-    return read_image_sized(path)[0]
+def read_image(path: Path, channels: int = 3) -> torch.Tensor:
+    """An image file as uint8 C×H×W at its own size (``channels`` 3: RGB; 1: grayscale, as
+    Pillow's ``L`` conversion gives it): the augmentation resizes it."""
+    return read_image_sized(path, channels)[0]
 
 
-def read_image_sized(path: Path) -> tuple[torch.Tensor, tuple[int, int]]:
+def read_image_sized(path: Path, channels: int = 3) -> tuple[torch.Tensor, tuple[int, int]]:
     """:func:`read_image`, and the file's own width and height."""
     Image = _pillow()
     try:
@@ -199,9 +214,9 @@ def read_image_sized(path: Path) -> tuple[torch.Tensor, tuple[int, int]]:
             with Image.open(path) as im:
                 _warn_if_large(path, im.width, im.height, Image.MAX_IMAGE_PIXELS)
                 original = (im.width, im.height)
-                im = im.convert("RGB")
+                im = im.convert("RGB" if channels == 3 else "L")
                 data = bytearray(im.tobytes())
-                shape = (im.height, im.width, 3)
+                shape = (im.height, im.width, channels)
     except Exception as err:  # OSError, PIL's DecompressionBombError, a decoder's ValueError
         raise DataError(
             f"data: cannot read image {path} ({type(err).__name__}: {err}); remove or fix the file."
@@ -280,7 +295,6 @@ class LazyImageMasks:
     """A split of (image, mask) files read from disk when fetched, each at its own size: in
     the loader's workers during training, so memory does not grow with the dataset."""
 
-    channels = 3
     device = torch.device("cpu")
 
     def __init__(
@@ -289,9 +303,11 @@ class LazyImageMasks:
         masks: list[Path],
         num_classes: int,
         mask_map: dict[int, int] | None = None,
+        channels: int = 3,
     ) -> None:
         self.images, self.masks = images, masks
         self.num_classes, self.mask_map = num_classes, mask_map
+        self.channels = channels
 
     def __len__(self) -> int:
         return len(self.images)
@@ -299,7 +315,7 @@ class LazyImageMasks:
     def fetch(self, index: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         images, masks = [], []
         for i in index.tolist():
-            image, size = read_image_sized(self.images[i])
+            image, size = read_image_sized(self.images[i], self.channels)
             masks.append(
                 read_mask(self.masks[i], self.num_classes, self.mask_map, (self.images[i], size))
             )
@@ -315,6 +331,7 @@ def image_mask_folder(
     seed: int = 1234,
     mask_map: dict[int, int] | None = None,
     test_fraction: float = 0.0,
+    channels: int = 3,
 ) -> DataSplits:
     """Your own segmentation data: ``path/images/<stem>.<ext>`` and ``path/masks/<stem>.png``
     with matching stems; masks hold class indices ``0 .. num_classes - 1`` (255: ignore),
@@ -324,8 +341,10 @@ def image_mask_folder(
     at its own size (a mask must have its image's); the ``augment`` pipelines bring them to
     ``image_size``×``image_size``, the masks with the very same geometry. The validation split is a permutation keyed by ``seed``,
     so the same folder gives the same splits everywhere; ``test_fraction`` holds a test
-    split out of the training files, as :func:`image_folder` does."""
+    split out of the training files, as :func:`image_folder` does; ``channels``: 3 (RGB) or
+    1 (grayscale)."""
     _pillow()
+    _check_channels(channels)
     root = Path(path).expanduser()
     image_dir, mask_dir = root / "images", root / "masks"
     if not image_dir.is_dir() or not mask_dir.is_dir():
@@ -369,6 +388,7 @@ def image_mask_folder(
             [masks[s] for s in chosen],
             num_classes,
             {int(k): int(v) for k, v in mask_map.items()} if mask_map else None,
+            channels,
         )
 
     test = split(test_idx) if test_idx is not None else None

@@ -155,6 +155,7 @@ class DataSplits:
     std: tuple[float, ...] | None = None
     test: Split | None = None  # held out until the end (trainer.test, repro evaluate)
     image_size: int | None = None
+    class_names: tuple[str, ...] | None = None  # class i's name (a folder's); None: unnamed
 
     def __post_init__(self) -> None:
         if self.augment is not None:
