@@ -79,7 +79,10 @@ class TinySegNet(nn.Module):
     def __init__(self, num_classes: int) -> None:
         super().__init__()
         self.body = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(4, 8), nn.ReLU(), nn.Conv2d(8, num_classes, 1)
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.GroupNorm(4, 8),
+            nn.ReLU(),
+            nn.Conv2d(8, num_classes, 1),
         )
 
     def forward(self, x):

@@ -122,9 +122,7 @@ def test_env_json_records_versions_flags_variables_git_and_config(runs):
     assert "ONEDNN_MAX_CPU_ISA" in env["env_vars"] and "ATEN_CPU_CAPABILITY" in env["env_vars"]
 
 
-def test_untracked_code_and_config_make_the_checkout_dirty_and_compare_names_them(
-    runs, tmp_path
-):
+def test_untracked_code_and_config_make_the_checkout_dirty_and_compare_names_them(runs, tmp_path):
     """A fork's new model file before its first commit: env.json names it (with a digest of
     its content) and calls the checkout dirty; files outside src/ and conf/ do not count;
     repro compare lists the difference."""

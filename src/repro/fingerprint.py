@@ -133,7 +133,9 @@ def git_state(path: Path | None = None) -> dict[str, Any]:
         return {"commit": None, "dirty": None, "diff_sha256": None, "note": "not a git checkout"}
     diff = git("diff", "HEAD", "--binary") or ""
     top = (git("rev-parse", "--show-toplevel") or where).strip()
-    listed = git("ls-files", "--others", "--exclude-standard", "-z", "--", *UNTRACKED_WATCHED, cwd=top)
+    listed = git(
+        "ls-files", "--others", "--exclude-standard", "-z", "--", *UNTRACKED_WATCHED, cwd=top
+    )
     untracked = {}
     for name in sorted(filter(None, (listed or "").split("\0"))):
         try:

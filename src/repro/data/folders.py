@@ -111,9 +111,7 @@ def image_folder(
 
 def _check_channels(channels: int) -> None:
     if channels not in (1, 3):
-        raise DataError(
-            f"data.channels={channels} is invalid; allowed: 3 (RGB) or 1 (grayscale)."
-        )
+        raise DataError(f"data.channels={channels} is invalid; allowed: 3 (RGB) or 1 (grayscale).")
 
 
 def hold_out_test(
