@@ -6,6 +6,7 @@ strict mode's re-execution happens (``repro.process_env``), before torch is load
 import json
 import logging
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -51,7 +52,7 @@ def main(cfg: DictConfig) -> float:
             atomic_write(launch / name, lambda f, text=text: f.write(text.encode()))
 
     try:
-        summary = train(cfg, run_dir, accepted=accepted)
+        summary = train(cfg, run_dir, accepted=accepted, after_step=_fault_kill())
     except Preempted:
         shutdown()  # every rank stopped after the same step, past a barrier
         raise
@@ -107,6 +108,21 @@ def main(cfg: DictConfig) -> float:
     shutdown()  # leave the process group (torchrun)
     # what a sweeper (Optuna, Ax) optimises; a run finished before summaries named it: accuracy
     return summary.get(summary.get("headline", "val_accuracy"), float("nan"))
+
+
+def _fault_kill():
+    """``REPRO_FAULT_KILL_AFTER_STEP=N``: this process SIGKILLs itself right after optimizer
+    step N, before that step is recorded -- a kill at a known point, for the tests of a
+    fork's experiment (``repro.testing.train_killed``). Unset: no hook."""
+    at = os.environ.get("REPRO_FAULT_KILL_AFTER_STEP")
+    if not at:
+        return None
+
+    def kill(step: int, model) -> None:
+        if step == int(at):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return kill
 
 
 if __name__ == "__main__":

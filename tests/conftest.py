@@ -9,6 +9,7 @@ import csv
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -239,3 +240,17 @@ def mixed_image_folder(root: Path, corrupt: tuple[str, ...] = ()) -> Path:
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def broken_links(root=ROOT) -> list[str]:
+    """Relative links of the README, docs/ and tests/README.md that lead nowhere."""
+    docs = [root / "README.md", *sorted((root / "docs").glob("*.md")), root / "tests" / "README.md"]
+    broken = []
+    for doc in docs:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
+            if (
+                not target.startswith(("http://", "https://"))
+                and not (doc.parent / target).exists()
+            ):
+                broken.append(f"{doc.relative_to(root)}: {target}")
+    return broken

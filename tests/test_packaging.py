@@ -6,7 +6,7 @@ import tomllib
 
 import yaml
 
-from conftest import ROOT
+from conftest import ROOT, broken_links
 
 
 def _name(requirement: str) -> str:
@@ -48,10 +48,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "tests
 
 def test_the_readme_fits_a_page_and_every_doc_link_resolves():
     assert len((ROOT / "README.md").read_bytes()) <= 15_000
-    for doc in DOCS:
-        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
-            if not target.startswith(("http://", "https://")):
-                assert (doc.parent / target).exists(), f"{doc.name}: broken link {target}"
+    assert broken_links() == []
 
 
 def test_no_issue_numbers_in_code_or_docs():

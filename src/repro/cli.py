@@ -190,6 +190,33 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_new(args: argparse.Namespace) -> int:
+    """Start a project of your own: src/NAME/ (model, data, task), conf/*/NAME.yaml and a
+    preset, tests/test_NAME.py (the promise, checked for it); --remove-examples removes the
+    template's dated benchmark records."""
+    from repro.config import find_conf_dir
+    from repro.scaffold import new_project, remove_examples
+
+    if args.name is None and not args.remove_examples:
+        raise ReproError("give a project name (repro new mylab), or --remove-examples.")
+    root = find_conf_dir().parent
+    if args.name is not None:
+        for path in new_project(args.name, root):
+            print(f"wrote {path.relative_to(root)}")
+        print(
+            f"next: python train.py experiment={args.name}; make test runs "
+            f"tests/test_{args.name}.py with the template's tests; commit the new files (until "
+            "then env.json marks the runs dirty)"
+        )
+    if args.remove_examples:
+        removed = remove_examples(root)
+        print(
+            f"removed {len(removed)} dated records from benchmarks/ (their links in the docs "
+            "are plain text now); benchmarks/README.md starts afresh"
+        )
+    return 0
+
+
 def _doc(func) -> str:
     """A command's docstring as argparse help text (which treats % as a format character)."""
     return (func.__doc__ or "").replace("%", "%%")
@@ -264,6 +291,14 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             p.add_argument("--out", required=True, help="CSV file (classification) or folder")
         p.set_defaults(func=func)
+    p = sub.add_parser("new", help=_doc(cmd_new), description=_doc(cmd_new))
+    p.add_argument("name", nargs="?", help="the project's name: a lowercase identifier (mylab)")
+    p.add_argument(
+        "--remove-examples",
+        action="store_true",
+        help="remove the template's dated benchmark records (benchmarks/*-YYYY-MM-DD-*)",
+    )
+    p.set_defaults(func=cmd_new)
     p = sub.add_parser("env", help=_doc(cmd_env))
     p.set_defaults(func=cmd_env)
     return parser

@@ -1,0 +1,287 @@
+"""``repro new NAME``: a project of your own beside the template, in one command.
+
+It writes a model, a dataset and a task (``src/NAME/``), their YAMLs and a preset
+(``conf/{model,data,task,experiment}/NAME.yaml``), and ``tests/test_NAME.py``, which checks the
+template's promise for that experiment: the same bits twice, with loader workers, after a
+kill and resume, and over two processes. Everything trains as written; replace the bodies
+with your own, and keep the test. ``--remove-examples`` removes what only the template's
+history needs: its dated benchmark records.
+
+Nothing that exists is overwritten: a name whose files are there already is refused before
+anything is written.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import keyword
+import re
+import shutil
+from pathlib import Path
+
+from repro.errors import ReproError
+
+# The files of a new project, by path (NAME is replaced); their text is below.
+FILES = {
+    "src/{name}/__init__.py": '''"""{name}: a project built on the repro template (`repro new {name}`)."""
+''',
+    "src/{name}/models.py": '''"""{name}'s model. Any ``nn.Module`` works: the run passes ``num_classes`` and ``in_channels``
+from the data when the signature names them, and the YAML's keys (conf/model/{name}.yaml)."""
+
+from torch import nn
+
+
+class Net(nn.Module):
+    """Two convolutions (GroupNorm: independent of the batch), average pooling, dropout and a
+    linear head. Its initial weights are drawn from a generator keyed by the seed."""
+
+    def __init__(
+        self, num_classes: int, in_channels: int = 3, width: int = 16, dropout: float = 0.1
+    ) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, width, 3, padding=1),
+            nn.GroupNorm(4, width),
+            nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, stride=2, padding=1),
+            nn.GroupNorm(4, 2 * width),
+            nn.ReLU(),
+        )
+        self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(2 * width, num_classes))
+
+    def forward(self, x):
+        return self.head(self.features(x).mean(dim=(2, 3)))
+''',
+    "src/{name}/data.py": '''"""{name}'s data: a function of its YAML's keys (conf/data/{name}.yaml) that returns
+``repro.data.DataSplits``. Replace the body with your own reading; keep it a pure function
+of its arguments (sorted file lists, generators keyed by ``seed``), so that every machine,
+process and resume sees the same data. A folder of images per class needs no code:
+``data=image_folder data.path=...``."""
+
+import torch
+
+from repro.data import DataSplits, TensorImages
+
+
+def dataset(
+    num_classes: int = 4,
+    train_size: int = 1024,
+    val_size: int = 256,
+    image_size: int = 16,
+    seed: int = 1234,
+) -> DataSplits:
+    """Noisy copies of one random pattern per class: uint8 images (N×C×H×W) and int64
+    labels, held in memory."""
+    g = torch.Generator().manual_seed(seed)
+    patterns = torch.randint(0, 256, (num_classes, 3, image_size, image_size), generator=g)
+
+    def split(n: int) -> TensorImages:
+        labels = torch.randint(0, num_classes, (n,), generator=g)
+        noise = torch.randint(-80, 81, (n, 3, image_size, image_size), generator=g)
+        images = (patterns[labels] + noise).clamp(0, 255).to(torch.uint8)
+        return TensorImages(images, labels)
+
+    return DataSplits(
+        split(train_size),
+        split(val_size),
+        num_classes,
+        image_size=image_size,
+        class_names=tuple(f"class{{c}}" for c in range(num_classes)),
+    )
+''',
+    "src/{name}/tasks.py": '''"""{name}'s task: the loss, and the metrics from additive statistics. This one keeps
+classification's statistics and metrics and changes the loss (docs/extending.md, "A task")."""
+
+import torch.nn.functional as F
+
+from repro.tasks import Classification
+
+
+class Task(Classification):
+    """Cross-entropy with label smoothing, summed over the micro-batch (the loop divides by
+    the batch size)."""
+
+    def __init__(self, label_smoothing: float = 0.1) -> None:
+        self.label_smoothing = label_smoothing
+
+    def loss(self, outputs, targets):
+        return F.cross_entropy(
+            outputs.float(), targets, reduction="sum", label_smoothing=self.label_smoothing
+        )
+''',
+    "conf/model/{name}.yaml": """# {name}'s model (src/{name}/models.py): `python train.py model={name}`.
+_target_: {name}.models.Net
+width: 16
+dropout: 0.1
+""",
+    "conf/data/{name}.yaml": """# {name}'s data (src/{name}/data.py): `python train.py data={name}`.
+_target_: {name}.data.dataset
+num_classes: 4
+train_size: 1024
+val_size: 256
+image_size: 16
+seed: 1234        # the data's own seed: a seed sweep varies the training, never the data
+""",
+    "conf/task/{name}.yaml": """# {name}'s task (src/{name}/tasks.py): `python train.py task={name}`.
+_target_: {name}.tasks.Task
+label_smoothing: 0.1
+""",
+    "conf/experiment/{name}.yaml": """# @package _global_
+# {name} in one word: `python train.py experiment={name}`. A preset selects its groups' YAMLs
+# (it sets no model keys, so `experiment={name} model=other` works) and the run's size;
+# overrides after it still apply.
+defaults:
+  - override /model: {name}
+  - override /data: {name}
+  - override /task: {name}
+
+trainer:
+  max_steps: 200
+  batch_size: 64
+  micro_batch_size: 32     # 2 micro-batches a step: 1 or 2 processes give the same bits
+  eval_every: 50
+""",
+    "tests/test_{name}.py": '''"""The template's promise for the {name} experiment: the same bits twice, with loader
+workers, after a kill and resume, and over two processes (written by `repro new {name}`).
+
+Keep it as the experiment grows: the day a new layer or augmentation breaks determinism, CI
+says so. SMALL shrinks the run (a few seconds each), not what is checked; runs are compared
+with each other, never with a digest written down (another CPU gives other bits)."""
+
+import pytest
+
+from repro.testing import assert_same_bits, train, train_killed
+
+pytestmark = pytest.mark.e2e  # starts train.py: `make test`, not `make test-fast`
+
+EXPERIMENT = ["experiment={name}"]
+SMALL = [
+    "trainer.max_steps=8",
+    "trainer.eval_every=4",
+    "trainer.checkpoint_every=3",
+    "trainer.batch_size=16",
+    "trainer.micro_batch_size=8",
+    "data.train_size=128",
+    "data.val_size=32",
+]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The run everything is compared with: one process, loading in the main process."""
+    run_dir = tmp_path_factory.mktemp("{name}") / "reference"
+    return train(run_dir, *EXPERIMENT, *SMALL, "loader=single")
+
+
+def test_{name}_repeats_bit_for_bit(reference, tmp_path):
+    again = train(tmp_path / "again", *EXPERIMENT, *SMALL, "loader=single")
+    assert_same_bits(reference, again)
+
+
+def test_{name}_gives_the_same_bits_with_loader_workers(reference, tmp_path):
+    workers = ["loader=multi", "loader.num_workers=2"]
+    assert_same_bits(reference, train(tmp_path / "workers", *EXPERIMENT, *SMALL, *workers))
+
+
+def test_{name}_killed_and_resumed_gives_the_uninterrupted_bits(reference, tmp_path):
+    run_dir = tmp_path / "killed"
+    train_killed(run_dir, *EXPERIMENT, *SMALL, "loader=single", after=5)
+    resumed = train(run_dir, *EXPERIMENT, *SMALL, "loader=single", "trainer.resume=auto")
+    assert resumed.summary["resumes"][-1]["step"] == 3  # from the step-3 checkpoint
+    assert_same_bits(reference, resumed)
+
+
+def test_{name}_on_two_processes_gives_the_one_process_bits(reference, tmp_path):
+    two = train(tmp_path / "two", *EXPERIMENT, *SMALL, "loader=single", nproc=2)
+    assert_same_bits(reference, two)
+''',
+}
+
+
+def check_name(name: str, root: Path) -> None:
+    """A new project's name: a lowercase Python identifier that does not shadow a module
+    already importable here (``torch``, ``repro``, a package of the standard library)."""
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or keyword.iskeyword(name):
+        raise ReproError(
+            f"{name!r} is not a valid project name; use a lowercase Python identifier "
+            "(letters, digits, _), e.g. mylab."
+        )
+    own = (root / "src" / name).exists()
+    if not own and importlib.util.find_spec(name) is not None:
+        raise ReproError(
+            f"{name!r} is already an importable module here; choose another name, or "
+            f"`import {name}` would find that one instead of yours."
+        )
+
+
+def new_project(name: str, root: Path) -> list[Path]:
+    """Write the project's files under ``root`` (the checkout: ``conf/``, ``src/``,
+    ``tests/``); refuse, writing nothing, when any of them exists. Returns the paths
+    written."""
+    check_name(name, root)
+    for folder in ("conf", "src", "tests"):
+        if not (root / folder).is_dir():
+            raise ReproError(
+                f"{root} has no {folder}/; run repro new from the template's checkout."
+            )
+    files = {root / path.format(name=name): text.format(name=name) for path, text in FILES.items()}
+    existing = [p for p in files if p.exists()]
+    if existing:
+        raise ReproError(
+            f"{existing[0]} exists; nothing was written (choose another name, or move "
+            "the files away)."
+        )
+    written = []
+    for path, text in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "x") as f:  # never over a file that appeared meanwhile
+            f.write(text)
+        written.append(path)
+    return written
+
+
+# Dated records are named <what>-YYYY-MM-DD-<machine>...; a folder of them too.
+_DATED = re.compile(r".*-\d{4}-\d{2}-\d{2}-.*")
+_LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)#\s]+)(#[^)]*)?\)")
+
+BENCHMARKS_INDEX = """# Measurements
+
+Dated results of this project, each with the machine, the versions and the exact command
+that produced it; `scripts/benchmark.py` and the other scripts write here. The template's
+own records were removed by `repro new --remove-examples`: its docs quote their numbers.
+
+| file | what |
+|---|---|
+"""
+
+
+def remove_examples(root: Path) -> list[Path]:
+    """Remove the template's dated benchmark records (``benchmarks/*-YYYY-MM-DD-*``) and
+    start ``benchmarks/README.md`` afresh; links to them in the docs become plain text and
+    their images go (so every link still resolves). Returns what was removed."""
+    bench = root / "benchmarks"
+    removed = (
+        sorted(p for p in bench.glob("*") if _DATED.fullmatch(p.name)) if bench.is_dir() else []
+    )
+    for path in removed:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    if bench.is_dir():
+        (bench / "README.md").write_text(BENCHMARKS_INDEX)
+    gone = {p.resolve() for p in removed}
+    docs = [root / "README.md", root / "tests" / "README.md", *sorted((root / "docs").glob("*.md"))]
+    for doc in (d for d in docs if d.is_file()):
+        text = doc.read_text()
+
+        def unlink(m: re.Match, doc: Path = doc) -> str:
+            target = (doc.parent / m.group(3)).resolve()
+            if not any(target == g or g in target.parents for g in gone):
+                return m.group(0)
+            return "" if m.group(1) else m.group(2)  # an image goes; a link's text stays
+
+        new = _LINK.sub(unlink, text)
+        if new != text:
+            doc.write_text(new)
+    return removed

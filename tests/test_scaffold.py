@@ -1,0 +1,137 @@
+"""``repro new``: a fork's project in one command, in a copy of this checkout. Its generated
+test passes there (the promise, checked for the fork's experiment), the template's config
+tests stay green with the fork's YAMLs in conf/, its runs are marked dirty until the new
+files are committed; nothing is overwritten; ``--remove-examples`` leaves no broken link."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, broken_links, user_env
+from repro.scaffold import FILES, remove_examples
+
+
+def project_copy(dest):
+    """This checkout's files (tracked, and new ones not ignored) in ``dest``, committed in a
+    fresh git repository there, as a fork's clone is."""
+    listed = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    for name in filter(None, listed.split("\0")):
+        source = ROOT / name
+        if source.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / name)
+    git = ["git", "-C", str(dest), "-c", "user.name=fork", "-c", "user.email=fork@example.com"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "fork"], check=True)
+    return dest
+
+
+def in_copy(copy, *args, timeout=600):
+    """A command in the copy, importing the copy's packages (its src/ first on the path)."""
+    env = user_env(
+        PYTHONPATH=os.pathsep.join([str(copy / "src"), os.environ.get("PYTHONPATH", "")])
+    )
+    return subprocess.run(args, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.e2e
+def test_repro_new_writes_a_project_whose_own_test_and_the_templates_config_tests_pass(tmp_path):
+    copy = project_copy(tmp_path / "fork")
+    new = in_copy(copy, sys.executable, "-m", "repro", "new", "mylab")
+    assert new.returncode == 0, new.stderr
+    expected = [path.format(name="mylab") for path in FILES]
+    assert [line.removeprefix("wrote ") for line in new.stdout.splitlines()[:-1]] == expected
+    assert all((copy / p).is_file() for p in expected)
+    # a second time: refused in one line, nothing changed
+    before = {p: (copy / p).read_bytes() for p in expected}
+    again = in_copy(copy, sys.executable, "-m", "repro", "new", "mylab")
+    assert again.returncode == 2 and again.stdout == ""
+    assert again.stderr == (
+        f"repro new: {copy / 'src/mylab/__init__.py'} exists; nothing was written (choose "
+        "another name, or move the files away).\n"
+    )
+    assert {p: (copy / p).read_bytes() for p in expected} == before
+    # the generated code passes the template's lint
+    lint = in_copy(copy, sys.executable, "-m", "ruff", "check", "src/mylab", "tests/test_mylab.py")
+    assert lint.returncode == 0, lint.stdout
+    # its experiment trains; until committed, its files mark the run dirty
+    run_dir = tmp_path / "run"
+    small = ["trainer.max_steps=2", "trainer.eval_every=2", "data.train_size=64", "loader=single"]
+    train = in_copy(
+        copy, sys.executable, "train.py", "experiment=mylab", f"hydra.run.dir={run_dir}", *small
+    )
+    assert train.returncode == 0, train.stderr
+    assert "Net" in train.stdout + train.stderr
+    git = json.loads((run_dir / "env.json").read_text())["git"]
+    assert git["dirty"] is True and "src/mylab/models.py" in git["untracked"]
+    assert "conf/experiment/mylab.yaml" in git["untracked"]
+    # the generated test, and the template's tests that read conf/, in the fork
+    tests = in_copy(
+        copy,
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "tests/test_mylab.py",
+        "tests/test_config.py::test_every_option_of_every_group_composes",
+        "tests/test_config.py::test_defaults_are_as_documented",
+        "tests/test_packaging.py",
+    )
+    assert tests.returncode == 0, tests.stdout[-4000:] + tests.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", tests.stdout)
+    assert passed and int(passed.group(1)) > 4, tests.stdout  # the generated 4 and the rest
+
+
+def test_repro_new_refuses_bad_names_before_writing_anything(tmp_path):
+    from repro.errors import ReproError
+    from repro.scaffold import new_project
+
+    for folder in ("conf", "src", "tests"):
+        (tmp_path / folder).mkdir()
+    for name, message in (
+        ("My-Lab", "is not a valid project name; use a lowercase Python identifier"),
+        ("class", "is not a valid project name"),
+        ("torch", "'torch' is already an importable module here; choose another name"),
+    ):
+        with pytest.raises(ReproError, match=message):
+            new_project(name, tmp_path)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["conf", "src", "tests"]
+    (tmp_path / "conf" / "task").mkdir()
+    (tmp_path / "conf" / "task" / "mylab.yaml").write_text("mine\n")
+    with pytest.raises(ReproError, match="conf/task/mylab.yaml exists; nothing was written"):
+        new_project("mylab", tmp_path)
+    assert not (tmp_path / "src" / "mylab").exists()
+    assert (tmp_path / "conf" / "task" / "mylab.yaml").read_text() == "mine\n"
+
+
+def test_remove_examples_removes_the_dated_records_and_leaves_no_broken_link(tmp_path):
+    for part in ("benchmarks", "docs"):
+        shutil.copytree(ROOT / part, tmp_path / part)
+    (tmp_path / "tests").mkdir()
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    shutil.copy(ROOT / "tests" / "README.md", tmp_path / "tests" / "README.md")
+    dated = sorted(p.name for p in (ROOT / "benchmarks").iterdir() if p.name != "README.md")
+    assert broken_links(tmp_path) == []
+    removed = remove_examples(tmp_path)
+    assert sorted(p.name for p in removed) == dated and len(dated) > 10
+    assert [p.name for p in (tmp_path / "benchmarks").iterdir()] == ["README.md"]
+    assert (
+        "removed by `repro new --remove-examples`"
+        in (tmp_path / "benchmarks" / "README.md").read_text()
+    )
+    assert broken_links(tmp_path) == []
+    results = (tmp_path / "docs" / "results.md").read_text()
+    assert "](../benchmarks/README.md)" in results  # the index's link is kept
+    assert not re.search(r"\]\(\.\./benchmarks/[^R)]", results)  # the records' are gone
