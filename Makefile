@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 XDIST ?= -n auto --maxprocesses 4 --dist loadfile
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test test-fast test-cuda mutations verify bench gpu-check report lint format clean distclean
+.PHONY: help install add new train test test-fast test-cuda mutations verify bench gpu-check report lint format clean distclean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -34,6 +34,17 @@ else
 install:  # same, into $(PY)
 	$(install_into)
 endif
+
+add: ## install a package (a model zoo: PKG=timm) beside the installed torch, never replacing it
+	@test -n "$(PKG)" || { echo "make add: give the package, e.g. make add PKG=timm" >&2; exit 2; }
+	@pins=$$(mktemp) && { $(PY) -c "import torch; print('torch==' + torch.__version__)" > $$pins \
+	  || { echo "make add: no torch in $(PY): run make install first" >&2; rm -f $$pins; exit 2; }; } && \
+	echo "pip install $(PKG), torch pinned at $$(cut -c8- $$pins)" && \
+	$(PY) -m pip install -c $$pins $(PKG); status=$$?; rm -f $$pins; exit $$status
+
+new: install ## start a project of your own: model, data, task, preset and its test (NAME=mylab)
+	@test -n "$(NAME)" || { echo "make new: give the name, e.g. make new NAME=mylab" >&2; exit 2; }
+	$(PY) -m repro new $(NAME)
 
 train: install ## train the default ConvNet on the synthetic data, strict mode (ARGS="key=value ...")
 	$(PY) train.py $(ARGS)

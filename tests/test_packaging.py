@@ -2,11 +2,15 @@
 
 import ast
 import re
+import subprocess
+import sys
 import tomllib
 
+import pytest
+import torch
 import yaml
 
-from conftest import ROOT, broken_links
+from conftest import ROOT, broken_links, user_env
 
 
 def _name(requirement: str) -> str:
@@ -75,3 +79,29 @@ def test_no_function_in_the_package_is_longer_than_100_lines():
 def test_the_package_and_scripts_do_not_edit_sys_path():
     for path in [*(ROOT / "src").rglob("*.py"), *(ROOT / "scripts").glob("*.py")]:
         assert "sys.path" not in path.read_text(), path.name
+
+
+@pytest.mark.e2e
+def test_make_add_installs_a_zoo_beside_the_installed_torch_without_replacing_it():
+    """pip's dry run (PIP_DRY_RUN=1) of ``make add PKG=timm``: timm, and the torchvision that
+    fits the installed torch; torch itself is not replaced (a plain ``pip install timm``
+    would bring another torch and a CUDA stack). Skipped in one line where no package index
+    answers."""
+    command = ["make", "-s", "add", "PKG=timm", f"PY={sys.executable}"]
+    out = subprocess.run(
+        command,
+        cwd=ROOT,
+        env=user_env(PIP_DRY_RUN="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    offline = "No matching distribution|Could not find a version|Failed to establish|unreachable"
+    if out.returncode != 0 and re.search(offline, out.stdout + out.stderr):
+        pytest.skip("no package index answers here: make add was not tried")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stdout.startswith(f"pip install timm, torch pinned at {torch.__version__}")
+    line = next(x for x in out.stdout.splitlines() if x.startswith("Would install"))
+    packages = line.split()[2:]
+    assert any(p.startswith("timm-") for p in packages), line
+    assert not any(p.startswith(("torch-", "nvidia-", "triton-")) for p in packages), line
