@@ -174,6 +174,17 @@ MUTATIONS = [
             "tests/test_rundir.py::test_a_run_directory_in_use_is_refused_naming_its_holder",
         ],
     ),
+    Mutation(
+        "untracked-clean",
+        "untracked files under src/ and conf/ not counted as dirty (a fork's uncommitted model)",
+        "src/repro/fingerprint.py",
+        '"dirty": bool(diff or untracked),',
+        '"dirty": bool(diff),',
+        [
+            "tests/test_compare.py::test_untracked_code_and_config_make_the_checkout_dirty_and_"
+            "compare_names_them",
+        ],
+    ),
 ]
 
 
