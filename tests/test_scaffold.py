@@ -16,6 +16,21 @@ from conftest import ROOT, broken_links, user_env
 from repro.scaffold import FILES, remove_examples
 
 
+def free_name() -> str:
+    """A project name this checkout does not have and cannot import: ``mylab``, unless a fork
+    of the template took it (then ``mylab2``...)."""
+    import importlib.util
+
+    for n in range(1, 100):
+        name = "mylab" if n == 1 else f"mylab{n}"
+        taken = (ROOT / "src" / name).exists() or (
+            ROOT / "conf" / "model" / f"{name}.yaml"
+        ).exists()
+        if not taken and importlib.util.find_spec(name) is None:
+            return name
+    raise AssertionError("no free project name")
+
+
 def project_copy(dest):
     """This checkout's files (tracked, and new ones not ignored) in ``dest``, committed in a
     fresh git repository there, as a fork's clone is."""
@@ -46,35 +61,38 @@ def in_copy(copy, *args, timeout=600):
 
 @pytest.mark.e2e
 def test_repro_new_writes_a_project_whose_own_test_and_the_templates_config_tests_pass(tmp_path):
+    name = free_name()
     copy = project_copy(tmp_path / "fork")
-    new = in_copy(copy, sys.executable, "-m", "repro", "new", "mylab")
+    new = in_copy(copy, sys.executable, "-m", "repro", "new", name)
     assert new.returncode == 0, new.stderr
-    expected = [path.format(name="mylab") for path in FILES]
+    expected = [path.format(name=name) for path in FILES]
     assert [line.removeprefix("wrote ") for line in new.stdout.splitlines()[:-1]] == expected
     assert all((copy / p).is_file() for p in expected)
     # a second time: refused in one line, nothing changed
     before = {p: (copy / p).read_bytes() for p in expected}
-    again = in_copy(copy, sys.executable, "-m", "repro", "new", "mylab")
+    again = in_copy(copy, sys.executable, "-m", "repro", "new", name)
     assert again.returncode == 2 and again.stdout == ""
     assert again.stderr == (
-        f"repro new: {copy / 'src/mylab/__init__.py'} exists; nothing was written (choose "
+        f"repro new: {copy / 'src' / name / '__init__.py'} exists; nothing was written (choose "
         "another name, or move the files away).\n"
     )
     assert {p: (copy / p).read_bytes() for p in expected} == before
     # the generated code passes the template's lint
-    lint = in_copy(copy, sys.executable, "-m", "ruff", "check", "src/mylab", "tests/test_mylab.py")
+    lint = in_copy(
+        copy, sys.executable, "-m", "ruff", "check", f"src/{name}", f"tests/test_{name}.py"
+    )
     assert lint.returncode == 0, lint.stdout
     # its experiment trains; until committed, its files mark the run dirty
     run_dir = tmp_path / "run"
     small = ["trainer.max_steps=2", "trainer.eval_every=2", "data.train_size=64", "loader=single"]
     train = in_copy(
-        copy, sys.executable, "train.py", "experiment=mylab", f"hydra.run.dir={run_dir}", *small
+        copy, sys.executable, "train.py", f"experiment={name}", f"hydra.run.dir={run_dir}", *small
     )
     assert train.returncode == 0, train.stderr
     assert "Net" in train.stdout + train.stderr
     git = json.loads((run_dir / "env.json").read_text())["git"]
-    assert git["dirty"] is True and "src/mylab/models.py" in git["untracked"]
-    assert "conf/experiment/mylab.yaml" in git["untracked"]
+    assert git["dirty"] is True and f"src/{name}/models.py" in git["untracked"]
+    assert f"conf/experiment/{name}.yaml" in git["untracked"]
     # the generated test, and the template's tests that read conf/, in the fork
     tests = in_copy(
         copy,
@@ -84,7 +102,7 @@ def test_repro_new_writes_a_project_whose_own_test_and_the_templates_config_test
         "-q",
         "-p",
         "no:cacheprovider",
-        "tests/test_mylab.py",
+        f"tests/test_{name}.py",
         "tests/test_config.py::test_every_option_of_every_group_composes",
         "tests/test_config.py::test_defaults_are_as_documented",
         "tests/test_packaging.py",
@@ -108,12 +126,13 @@ def test_repro_new_refuses_bad_names_before_writing_anything(tmp_path):
         with pytest.raises(ReproError, match=message):
             new_project(name, tmp_path)
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["conf", "src", "tests"]
+    name = free_name()
     (tmp_path / "conf" / "task").mkdir()
-    (tmp_path / "conf" / "task" / "mylab.yaml").write_text("mine\n")
-    with pytest.raises(ReproError, match="conf/task/mylab.yaml exists; nothing was written"):
-        new_project("mylab", tmp_path)
-    assert not (tmp_path / "src" / "mylab").exists()
-    assert (tmp_path / "conf" / "task" / "mylab.yaml").read_text() == "mine\n"
+    (tmp_path / "conf" / "task" / f"{name}.yaml").write_text("mine\n")
+    with pytest.raises(ReproError, match=f"conf/task/{name}.yaml exists; nothing was written"):
+        new_project(name, tmp_path)
+    assert not (tmp_path / "src" / name).exists()
+    assert (tmp_path / "conf" / "task" / f"{name}.yaml").read_text() == "mine\n"
 
 
 def test_remove_examples_removes_the_dated_records_and_leaves_no_broken_link(tmp_path):

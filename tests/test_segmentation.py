@@ -247,7 +247,7 @@ def test_image_mask_folder_is_read_lazily_with_its_masks(tmp_path, monkeypatch):
     monkeypatch.setattr(
         repro.data.folders,
         "read_image_sized",
-        lambda p: reads.append(p) or read_image(p),
+        lambda p, *channels: reads.append(p) or read_image(p, *channels),
     )
     d = image_mask_folder(str(tmp_path / "data"), num_classes=4, image_size=32, val_fraction=0.25)
     assert isinstance(d.train, LazyImageMasks) and isinstance(d, DataSplits)

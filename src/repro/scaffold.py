@@ -155,7 +155,10 @@ from repro.testing import assert_same_bits, train, train_killed
 pytestmark = pytest.mark.e2e  # starts train.py: `make test`, not `make test-fast`
 
 EXPERIMENT = ["experiment={name}"]
+# On the CPU, on every machine (2 processes need no 2 GPUs); on a GPU, `repro doctor
+# experiment={name}` checks the model's kernels there.
 SMALL = [
+    "device=cpu",
     "trainer.max_steps=8",
     "trainer.eval_every=4",
     "trainer.checkpoint_every=3",
