@@ -2,7 +2,6 @@
 
 import shlex
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,10 +11,10 @@ from omegaconf.errors import ValidationError
 
 import launch
 import repro.config  # noqa: F401  (registers the schema)
-from conftest import CONF_DIR, run_train, train_cmd, user_env
+from conftest import CONF_DIR, compose_every_option, run_train, train_cmd, user_env
 from repro.config import check_overrides, config_hash, validate
 from repro.config import compose as repro_compose
-from repro.errors import ConfigError, MissingPackage
+from repro.errors import ConfigError
 
 
 def cfg(*overrides):
@@ -48,28 +47,6 @@ def test_defaults_are_as_documented():
 
 GROUPS = ["determinism", "loader", "amp", "model", "data", "augment", "task", "optim"]
 GROUPS += ["schedule", "trainer", "logger", "experiment"]
-# what an option needs to compose that its YAML leaves required (???)
-NEEDS = {
-    "image_folder": ["data.path=/tmp"],
-    "image_mask_folder": ["data.path=/tmp", "data.num_classes=3"],
-}
-
-
-def compose_every_option(group: str, conf_dir: Path = CONF_DIR) -> dict[str, str]:
-    """Compose and validate each option of ``group`` found in ``conf_dir`` (a fork's options
-    included); an option whose ``_target_`` needs a package that is not installed is skipped,
-    in one line. Returns ``{option: "ok" | that line}``; a real config error raises."""
-    results = {}
-    for option in sorted(p.stem for p in (conf_dir / group).glob("*.yaml")):
-        extra = NEEDS.get(option, []) if group == "data" else []
-        selected = f"{group}=[{option}]" if group == "logger" else f"{group}={option}"
-        try:
-            repro_compose([selected, *extra], conf_dir)
-        except MissingPackage as err:
-            results[option] = f"skipped {group}={option}: needs {err.package}"
-            continue
-        results[option] = "ok"
-    return results
 
 
 @pytest.mark.parametrize("group", GROUPS)
