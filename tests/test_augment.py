@@ -101,7 +101,7 @@ def test_any_pipeline_gives_the_same_bits_repeated_with_any_workers_resumed_and_
     kind, folders, tmp_path, monkeypatch
 ):
     if not NEEDS.get(kind, True):
-        pytest.skip(f"needs {kind} (pip install -e '.[{kind}]')")
+        pytest.skip(f"needs {kind} (make add PKG={kind})")
     monkeypatch.syspath_prepend(str(CONF_DIR.parent / "tests"))  # augment_pipelines
     args = overrides(kind, folders)
     ref = train_here(tmp_path / "ref", *args, "loader=single")

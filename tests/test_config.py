@@ -11,10 +11,10 @@ from omegaconf.errors import ValidationError
 
 import launch
 import repro.config  # noqa: F401  (registers the schema)
-from conftest import CONF_DIR, compose_every_option, run_train, train_cmd, user_env
+from conftest import CONF_DIR, NEEDS, compose_every_option, run_train, train_cmd, user_env
 from repro.config import check_overrides, config_hash, validate
 from repro.config import compose as repro_compose
-from repro.errors import ConfigError
+from repro.errors import ConfigError, MissingPackage
 
 
 def cfg(*overrides):
@@ -49,22 +49,34 @@ GROUPS = ["determinism", "loader", "amp", "model", "data", "augment", "task", "o
 GROUPS += ["schedule", "trainer", "logger", "experiment"]
 
 
-@pytest.mark.parametrize("group", GROUPS)
-def test_every_option_of_every_group_composes(group):
-    results = compose_every_option(group)
-    assert results, f"no options in conf/{group}/"
-    for line in results.values():
-        if line != "ok":
-            print(line)  # an optional package this machine does not have
+OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))]
 
 
-def test_a_forks_options_compose_and_one_needing_a_missing_package_is_skipped(tmp_path):
-    """The compose-every-option test in a fork: its own model, task and data YAMLs compose;
-    one needing a package that is not installed is skipped in one line; a real config error
-    in one of them still fails."""
+@pytest.mark.parametrize("group, option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_every_option_of_every_group_composes(group, option):
+    """Each option found in conf/ (a fork's too) composes and validates; one whose package is
+    an optional one (pyproject.toml) not installed here is skipped, in one line."""
+    extra = NEEDS.get(option, []) if group == "data" else []
+    selected = f"{group}=[{option}]" if group == "logger" else f"{group}={option}"
+    try:
+        repro_compose([selected, *extra])
+    except MissingPackage as err:
+        pytest.skip(f"{group}={option}: needs {err.package}, an optional package not installed")
+
+
+def test_a_forks_options_compose_and_one_needing_a_missing_package_is_skipped(
+    tmp_path, monkeypatch
+):
+    """The compose-every-option check in a fork: its own model, task and data YAMLs compose;
+    one needing an optional package (declared in the fork's pyproject.toml) that is not
+    installed is skipped in one line; a misspelt module, or a key the target does not take,
+    still fails."""
+
+    declared = {**repro.config.optional_packages(), "zoo_pkg": ("zoo-pkg", "zoo")}
+    monkeypatch.setattr(repro.config, "optional_packages", lambda: declared)
     conf = shutil.copytree(CONF_DIR, tmp_path / "conf")
     (conf / "model" / "tiny.yaml").write_text("_target_: forked_project.TinyNet\nwidth: 4\n")
-    (conf / "model" / "zoo.yaml").write_text("_target_: not_installed_zoo.create_model\n")
+    (conf / "model" / "zoo.yaml").write_text("_target_: zoo_pkg.create_model\n")
     (conf / "task" / "smooth.yaml").write_text(
         "_target_: forked_project.LabelSmoothing\nsmoothing: 0.2\n"
     )
@@ -72,9 +84,15 @@ def test_a_forks_options_compose_and_one_needing_a_missing_package_is_skipped(tm
         "defaults:\n  - synthetic\n  - _self_\nnum_classes: 4\n"
     )
     results = {g: compose_every_option(g, conf) for g in ("model", "task", "data")}
-    assert results["model"]["zoo"] == "skipped model=zoo: needs not_installed_zoo"
+    assert results["model"]["zoo"] == "skipped model=zoo: needs zoo_pkg"
     assert results["model"]["tiny"] == results["task"]["smooth"] == results["data"]["mine"] == "ok"
     assert results["model"]["convnet"] == "ok"
+    with pytest.raises(MissingPackage, match=r"needs zoo-pkg, .*'zoo' extra.*make add PKG=zoo-pkg"):
+        repro_compose(["model=zoo"], conf)
+    (conf / "model" / "zoo.yaml").write_text("_target_: zoo_pgk.create_model\n")  # misspelt
+    with pytest.raises(ConfigError, match="no module named 'zoo_pgk'; check its spelling"):
+        compose_every_option("model", conf)
+    (conf / "model" / "zoo.yaml").unlink()
     (conf / "model" / "tiny.yaml").write_text("_target_: forked_project.TinyNet\nwdth: 4\n")
     with pytest.raises(ConfigError, match="model.wdth is not an argument"):
         compose_every_option("model", conf)

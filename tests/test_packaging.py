@@ -91,12 +91,13 @@ def test_make_add_installs_a_zoo_beside_the_installed_torch_without_replacing_it
     out = subprocess.run(
         command,
         cwd=ROOT,
-        env=user_env(PIP_DRY_RUN="1"),
+        env=user_env(PIP_DRY_RUN="1", PIP_TIMEOUT="10", PIP_RETRIES="0"),
         capture_output=True,
         text=True,
         timeout=300,
     )
-    offline = "No matching distribution|Could not find a version|Failed to establish|unreachable"
+    # only timm itself not found, or the network: a torchvision that does not fit is a failure
+    offline = r"for timm \(from versions: none\)|Failed to establish|unreachable|name resolution"
     if out.returncode != 0 and re.search(offline, out.stdout + out.stderr):
         pytest.skip("no package index answers here: make add was not tried")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]

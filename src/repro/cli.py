@@ -199,7 +199,13 @@ def cmd_new(args: argparse.Namespace) -> int:
 
     if args.name is None and not args.remove_examples:
         raise ReproError("give a project name (repro new mylab), or --remove-examples.")
-    root = find_conf_dir().parent
+    try:
+        root = find_conf_dir().parent
+    except ReproError:
+        raise ReproError(
+            "no conf/train.yaml here or next to the repro package; run repro new from the "
+            "template's checkout."
+        ) from None
     if args.name is not None:
         for path in new_project(args.name, root):
             print(f"wrote {path.relative_to(root)}")

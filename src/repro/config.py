@@ -208,7 +208,9 @@ def locate(path: str) -> Any:
         try:
             obj = importlib.import_module(module)
         except ModuleNotFoundError as err:
-            if err.name is not None and not module.startswith(err.name):
+            if err.name is not None and not (
+                err.name == module or module.startswith(f"{err.name}.")
+            ):
                 raise  # the module exists but imports something that does not: say what
             continue
         for attr in parts[i:]:
@@ -403,31 +405,75 @@ def _validate_target(cfg: DictConfig, group: str) -> None:
     _check_arguments(group, node, _locate_target(group, str(node._target_)))
 
 
-def _locate_target(key: str, dotted: str, hint: str = "") -> Any:
-    """The object a ``_target_`` names, or one line saying it cannot be imported."""
+def _locate_target(key: str, dotted: str) -> Any:
+    """The object a ``_target_`` names, or one line saying it cannot be imported. A package
+    that is not installed is :class:`MissingPackage` when ``pyproject.toml`` declares it
+    optional (an extra: the tests then skip the option), else a plain config error -- a
+    misspelt module looks the same, and is not installed on anyone's advice."""
     try:
         return locate(dotted)
     except ModuleNotFoundError as err:
         package = (err.name or "").split(".")[0]
         own = (Path(__file__).resolve().parents[1] / package).is_dir()  # src/<package>
-        if package and not own and importlib.util.find_spec(package) is None:
-            how = hint or f" (make add PKG={package}: at the pinned torch)"
+        if not package or own or importlib.util.find_spec(package) is not None:
+            raise ConfigError(
+                f"config error: {key}._target_={dotted!r} cannot be imported "
+                f"(ModuleNotFoundError: {err}); check the dotted path."
+            ) from None
+        declared = optional_packages()
+        if package in declared:
+            name, extra = declared[package]
             raise MissingPackage(
-                f"config error: {key}._target_={dotted!r} needs the package {package!r}, which "
-                f"is not installed{how}.",
+                f"config error: {key}._target_={dotted!r} needs {name}, an optional package "
+                f"(pyproject.toml's {extra!r} extra) that is not installed here: make add "
+                f"PKG={name} (beside the installed torch).",
                 package,
             ) from None
         raise ConfigError(
-            f"config error: {key}._target_={dotted!r} cannot be imported "
-            f"({type(err).__name__}: {err}); check the dotted path and that its package is "
-            f"installed{hint}."
+            f"config error: {key}._target_={dotted!r} cannot be imported: no module named "
+            f"{package!r}; check its spelling, or install the package that provides it (make "
+            "add PKG=...) and list it in pyproject.toml's optional-dependencies."
         ) from None
     except Exception as err:
         raise ConfigError(
             f"config error: {key}._target_={dotted!r} cannot be imported "
-            f"({type(err).__name__}); check the dotted path and that its package is installed"
-            f"{hint}."
+            f"({type(err).__name__}); check the dotted path and that its package is installed."
         ) from None
+
+
+# Distribution names whose import name is another (the rest: "-" becomes "_").
+IMPORT_NAMES = {
+    "pillow": "PIL",
+    "opencv-python": "cv2",
+    "opencv-python-headless": "cv2",
+    "scikit-learn": "sklearn",
+    "scikit-image": "skimage",
+    "mlflow-skinny": "mlflow",
+    "segmentation-models-pytorch": "segmentation_models_pytorch",
+}
+
+
+def optional_packages() -> dict[str, tuple[str, str]]:
+    """``{import name: (distribution, extra)}`` of what this checkout's ``pyproject.toml``
+    lists under ``optional-dependencies`` (a fork lists its model zoo there); empty for an
+    installed package without its ``pyproject.toml``."""
+    import tomllib
+
+    try:
+        project = tomllib.loads(
+            (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+        ).get("project", {})
+    except (OSError, ValueError):
+        return {}
+    found: dict[str, tuple[str, str]] = {}
+    extras = sorted(
+        (project.get("optional-dependencies") or {}).items(), key=lambda e: e[0] == "dev"
+    )
+    for extra, requirements in extras:  # a package's own extra before the dev extra
+        for requirement in requirements:
+            name = re.split(r"[<>=!~\[ ;]", requirement.strip(), maxsplit=1)[0].lower()
+            found.setdefault(IMPORT_NAMES.get(name, name.replace("-", "_")), (name, extra))
+    return found
 
 
 GONE = {
@@ -460,8 +506,7 @@ def _validate_augment(cfg: DictConfig) -> None:
                 f"config error: augment.{part} has no _target_; give "
                 f"augment.{part}._target_=package.module.pipeline, or null for none."
             )
-        hint = " (torchvision: pip install -e '.[torchvision]')"
-        target = _locate_target(f"augment.{part}", str(entry._target_), hint)
+        target = _locate_target(f"augment.{part}", str(entry._target_))
         _check_arguments(f"augment.{part}", entry, target)
 
 
@@ -724,9 +769,9 @@ def _check_target_key(key: str, override: str, args: list[str], conf_dir: Path) 
             node = hydra_compose("train", overrides=others).get(group)
     except (HydraException, OmegaConfBaseException):
         return  # another override is wrong: Hydra names it
-    if not isinstance(node, DictConfig) or name in node:
+    if not isinstance(node, DictConfig) or name in node or "_target_" not in node:
         return
-    target = node.get("_target_", group)
+    target = node._target_
     raise ConfigError(
         f"config error: {key} is not a key of {group} ({target}); if {target} takes it, add "
         f"it with a +: +{override}"

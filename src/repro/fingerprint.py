@@ -114,9 +114,10 @@ UNTRACKED_WATCHED = ("src", "conf")
 
 def git_state(path: Path | None = None) -> dict[str, Any]:
     """Commit, dirty flag, a hash of the diff of the git checkout holding ``path`` (default:
-    this package's source), and the untracked files under its ``src/`` and ``conf/`` (not
-    ignored), each with the SHA-256 of its content: they count as dirty. Untracked files
-    elsewhere are not counted: run outputs would be."""
+    this package's source), and the untracked files under the project's ``src/`` and
+    ``conf/`` (``path``, or the folder holding ``src/repro``; not ignored), each with the
+    SHA-256 of its content: they count as dirty. Untracked files elsewhere are not counted:
+    run outputs would be."""
     where = str(path or Path(__file__).resolve().parent)
 
     def git(*args: str, cwd: str = where) -> str | None:
@@ -132,14 +133,16 @@ def git_state(path: Path | None = None) -> dict[str, Any]:
     if commit is None:
         return {"commit": None, "dirty": None, "diff_sha256": None, "note": "not a git checkout"}
     diff = git("diff", "HEAD", "--binary") or ""
-    top = (git("rev-parse", "--show-toplevel") or where).strip()
+    # the project: the folder given, else the checkout holding this package (src/repro/..)
+    root = str(path) if path is not None else str(Path(__file__).resolve().parents[2])
     listed = git(
-        "ls-files", "--others", "--exclude-standard", "-z", "--", *UNTRACKED_WATCHED, cwd=top
+        "ls-files", "--others", "--exclude-standard", "-z", "--", *UNTRACKED_WATCHED, cwd=root
     )
     untracked = {}
     for name in sorted(filter(None, (listed or "").split("\0"))):
         try:
-            untracked[name] = hashlib.sha256((Path(top) / name).read_bytes()).hexdigest()
+            with open(Path(root) / name, "rb") as f:
+                untracked[name] = hashlib.file_digest(f, "sha256").hexdigest()
         except OSError:
             untracked[name] = None  # gone or unreadable since it was listed
     return {

@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 
 from repro.checkpoint import atomic_write
 from repro.config import RUN_CONTROL, flatten
-from repro.errors import ConfigError
+from repro.errors import ConfigError, MissingPackage
 from repro.files import EVAL_FILE, LOGGERS_FILE, METRICS_FILE, TRACE_FILE, finite_or_null
 
 log = logging.getLogger("repro")
@@ -433,9 +433,10 @@ class MlflowLogger(Logger):
         if self.uri.startswith("sqlite:") and any(
             importlib.util.find_spec(m) is None for m in ("sqlalchemy", "alembic")
         ):
-            raise ConfigError(
+            raise MissingPackage(
                 "config error: logger=mlflow with a SQLite store needs sqlalchemy and alembic: "
-                "pip install -e '.[mlflow]' (or a tracking server: logger.mlflow.tracking_uri=http://...)."
+                "pip install -e '.[mlflow]' (or a tracking server: logger.mlflow.tracking_uri=http://...).",
+                "sqlalchemy",
             )
         self.experiment, self.run_name = experiment, run_name
         self.artifact_location = artifact_location

@@ -156,7 +156,8 @@ pytestmark = pytest.mark.e2e  # starts train.py: `make test`, not `make test-fas
 
 EXPERIMENT = ["experiment={name}"]
 # On the CPU, on every machine (2 processes need no 2 GPUs); on a GPU, `repro doctor
-# experiment={name}` checks the model's kernels there.
+# experiment={name}` checks the model's kernels there. When your data takes other keys than
+# train_size and val_size, shrink it with those: a few batches are enough.
 SMALL = [
     "device=cpu",
     "trainer.max_steps=8",
@@ -201,10 +202,14 @@ def test_{name}_on_two_processes_gives_the_one_process_bits(reference, tmp_path)
 }
 
 
+# Words YAML reads as null or a boolean: `override /model: on` would not name the file on.yaml.
+YAML_WORDS = {"null", "none", "true", "false", "yes", "no", "on", "off", "y", "n"}
+
+
 def check_name(name: str, root: Path) -> None:
     """A new project's name: a lowercase Python identifier that does not shadow a module
     already importable here (``torch``, ``repro``, a package of the standard library)."""
-    if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or keyword.iskeyword(name):
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or keyword.iskeyword(name) or name in YAML_WORDS:
         raise ReproError(
             f"{name!r} is not a valid project name; use a lowercase Python identifier "
             "(letters, digits, _), e.g. mylab."
@@ -247,6 +252,7 @@ def new_project(name: str, root: Path) -> list[Path]:
 _DATED = re.compile(r".*-\d{4}-\d{2}-\d{2}-.*")
 _LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)#\s]+)(#[^)]*)?\)")
 
+REMOVED_MARK = "removed by `repro new --remove-examples`"
 BENCHMARKS_INDEX = """# Measurements
 
 Dated results of this project, each with the machine, the versions and the exact command
@@ -263,6 +269,12 @@ def remove_examples(root: Path) -> list[Path]:
     start ``benchmarks/README.md`` afresh; links to them in the docs become plain text and
     their images go (so every link still resolves). Returns what was removed."""
     bench = root / "benchmarks"
+    index = bench / "README.md"
+    if index.is_file() and REMOVED_MARK in index.read_text():
+        raise ReproError(
+            "--remove-examples: the template's records were removed already; what benchmarks/ "
+            "holds now is this project's own (nothing was removed)."
+        )
     removed = (
         sorted(p for p in bench.glob("*") if _DATED.fullmatch(p.name)) if bench.is_dir() else []
     )

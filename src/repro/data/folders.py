@@ -205,6 +205,7 @@ def read_image(path: Path, channels: int = 3) -> torch.Tensor:
 
 def read_image_sized(path: Path, channels: int = 3) -> tuple[torch.Tensor, tuple[int, int]]:
     """:func:`read_image`, and the file's own width and height."""
+    _check_channels(channels)
     Image = _pillow()
     try:
         with warnings.catch_warnings():  # PIL's own line for a large image: ours instead
