@@ -53,7 +53,7 @@ train: install ## train the default ConvNet on the synthetic data, strict mode (
 test: install ## run the whole test suite, as CI does (CUDA tests skip without a GPU)
 	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
-test-fast: install ## the in-process tests only (about 20 s): for the edit-test loop
+test-fast: install ## the in-process tests only: for the edit-test loop
 	$(PY) -m pytest -m "not e2e and not cuda" $(PYTEST_ARGS)
 
 test-cuda: install ## run only the CUDA-marked tests (on a GPU machine)
