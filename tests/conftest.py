@@ -281,21 +281,24 @@ NEEDS = {
 }
 
 
-def compose_every_option(group: str, conf_dir: Path = CONF_DIR) -> dict[str, str]:
-    """Compose and validate each option of ``group`` found in ``conf_dir`` (a fork's options
-    included); an option whose ``_target_`` needs a package that is not installed is skipped,
-    in one line. Returns ``{option: "ok" | that line}``; a real config error raises."""
+def compose_option(group: str, option: str, conf_dir: Path = CONF_DIR) -> str:
+    """Compose and validate one option of ``group`` from ``conf_dir``: "ok", or one line
+    saying it was skipped because its ``_target_`` needs an optional package (declared in
+    pyproject.toml) that is not installed. A real config error raises."""
     from repro.config import compose
     from repro.errors import MissingPackage
 
-    results = {}
-    for option in sorted(p.stem for p in (conf_dir / group).glob("*.yaml")):
-        extra = NEEDS.get(option, []) if group == "data" else []
-        selected = f"{group}=[{option}]" if group == "logger" else f"{group}={option}"
-        try:
-            compose([selected, *extra], conf_dir)
-        except MissingPackage as err:
-            results[option] = f"skipped {group}={option}: needs {err.package}"
-            continue
-        results[option] = "ok"
-    return results
+    extra = NEEDS.get(option, []) if group == "data" else []
+    selected = f"{group}=[{option}]" if group == "logger" else f"{group}={option}"
+    try:
+        compose([selected, *extra], conf_dir)
+    except MissingPackage as err:
+        return f"skipped {group}={option}: needs {err.package}"
+    return "ok"
+
+
+def compose_every_option(group: str, conf_dir: Path = CONF_DIR) -> dict[str, str]:
+    """:func:`compose_option` for each option of ``group`` found in ``conf_dir`` (a fork's
+    options included): ``{option: "ok" | the skip line}``."""
+    options = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
+    return {option: compose_option(group, option, conf_dir) for option in options}

@@ -11,7 +11,7 @@ from omegaconf.errors import ValidationError
 
 import launch
 import repro.config  # noqa: F401  (registers the schema)
-from conftest import CONF_DIR, NEEDS, compose_every_option, run_train, train_cmd, user_env
+from conftest import CONF_DIR, compose_every_option, compose_option, run_train, train_cmd, user_env
 from repro.config import check_overrides, config_hash, validate
 from repro.config import compose as repro_compose
 from repro.errors import ConfigError, MissingPackage
@@ -56,12 +56,9 @@ OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.ya
 def test_every_option_of_every_group_composes(group, option):
     """Each option found in conf/ (a fork's too) composes and validates; one whose package is
     an optional one (pyproject.toml) not installed here is skipped, in one line."""
-    extra = NEEDS.get(option, []) if group == "data" else []
-    selected = f"{group}=[{option}]" if group == "logger" else f"{group}={option}"
-    try:
-        repro_compose([selected, *extra])
-    except MissingPackage as err:
-        pytest.skip(f"{group}={option}: needs {err.package}, an optional package not installed")
+    result = compose_option(group, option)
+    if result != "ok":
+        pytest.skip(f"{result.removeprefix('skipped ')}, an optional package not installed")
 
 
 def test_a_forks_options_compose_and_one_needing_a_missing_package_is_skipped(
