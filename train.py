@@ -128,7 +128,8 @@ def _fault_kill():
 if __name__ == "__main__":
     arm_preemption()  # from here on a cluster's SIGTERM stops the run cleanly, exit status 75
     try:
-        check_overrides(sys.argv[1:], CONF_DIR)  # one line for a bad value, before Hydra starts
+        multirun = any(a in ("-m", "--multirun") or a == "hydra.mode=MULTIRUN" for a in sys.argv)
+        check_overrides(sys.argv[1:], CONF_DIR, multirun)  # one line for a bad value, first
     except ReproError as err:
         exit_with(err)
     if not under_torchrun():

@@ -289,6 +289,8 @@ def compose_option(group: str, option: str, conf_dir: Path = CONF_DIR) -> str:
     from repro.errors import MissingPackage
 
     extra = NEEDS.get(option, []) if group == "data" else []
+    if group == "hparams_search" and (conf_dir / "experiment" / f"{option}.yaml").is_file():
+        extra = [f"experiment={option}"]  # a preset's search runs with that preset
     selected = f"{group}=[{option}]" if group == "logger" else f"{group}={option}"
     try:
         compose([selected, *extra], conf_dir)

@@ -46,7 +46,7 @@ def test_defaults_are_as_documented():
 
 
 GROUPS = ["determinism", "loader", "amp", "model", "data", "augment", "task", "optim"]
-GROUPS += ["schedule", "trainer", "logger", "experiment"]
+GROUPS += ["schedule", "trainer", "logger", "experiment", "hparams_search"]
 
 
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))]

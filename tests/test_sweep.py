@@ -1,7 +1,9 @@
-"""Seed sweeps: `repro report` (table, mean, SD, t interval, outliers, failed jobs),
-the parallel launcher preset (same bits as sequential), `repro rerun` (same bits alone)."""
+"""Seed sweeps: `repro report` (table, mean, SD, t interval, outliers, failed jobs; groups
+and directories compared seed by seed), the parallel launcher preset (same bits as
+sequential), `repro rerun` (same bits alone)."""
 
 import json
+import math
 import os
 import shutil
 import statistics
@@ -9,10 +11,12 @@ import subprocess
 import sys
 
 import pytest
+import scipy.stats as scipy_stats  # the dev extra's reference statistics
 
 import launch
 from conftest import ROOT, train_cmd, user_env
-from repro.report import describe, outliers, t_quantile, write_report
+from repro.report import outliers, write_report
+from repro.stats import mean_interval, t_quantile
 
 TINY = [
     "trainer.max_steps=6",
@@ -107,16 +111,25 @@ def test_a_failed_job_is_reported_and_the_others_still_are(tmp_path):
     assert "(Student t, n=2, df=1, t=12.706)" in out.stdout
 
 
-@pytest.mark.e2e
-def test_parallel_launcher_gives_the_sequential_bits(sequential, tmp_path):
-    """Two jobs at once (one round of the 2 joblib workers: a CI budget), the sequential
-    sweep's first two jobs (lr 0.05, seeds 0 and 1), job by job."""
+@pytest.fixture(scope="module")
+def parallel(tmp_path_factory):
+    """Two jobs at once (one round of the 2 joblib workers: a CI budget): lr 0.05, seeds 0
+    and 1, the sequential sweep's first two jobs; another day's sweep, for the report."""
     proc, sweep_dir = sweep(
-        tmp_path, "optim.lr=0.05", "seed=0,1", "hydra/launcher=parallel", real=True
+        tmp_path_factory.mktemp("par"),
+        "optim.lr=0.05",
+        "seed=0,1",
+        "hydra/launcher=parallel",
+        real=True,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Joblib.Parallel(n_jobs=2" in proc.stdout + proc.stderr
-    parallel, reference = digests(sweep_dir), digests(sequential)
+    return sweep_dir
+
+
+@pytest.mark.e2e
+def test_parallel_launcher_gives_the_sequential_bits(sequential, parallel):
+    parallel, reference = digests(parallel), digests(sequential)
     assert sorted(parallel) == ["0_seed=0", "1_seed=1"]
     assert parallel == {name: reference[name] for name in parallel}
 
@@ -178,7 +191,7 @@ def test_outliers_beyond_two_sd_are_flagged():
 
     values = [0.80, 0.81, 0.79, 0.80, 0.80, 0.80, 0.50]
     jobs = [J(i, v) for i, v in enumerate(values)]
-    stats = describe(values)
+    stats = mean_interval(values)
     flagged = outliers(jobs, "val_accuracy", stats)
     assert [f["seed"] for f in flagged] == [6] and flagged[0]["z"] < -2
 
@@ -233,3 +246,124 @@ def test_jobs_of_a_killed_sweep_that_never_started_are_listed(sequential, tmp_pa
     assert {j["seed"] for j in missing} == {0, 1, 2}
     assert [len(g["jobs"]) for g in report["groups"]] == [3, 3]  # each lr's three seeds
     assert repro("report", str(copy)).returncode == 1
+
+
+def values(report, group, metric="val_accuracy"):
+    """{seed: value} of a report group's finished jobs."""
+    (g,) = [g for g in report["groups"] if g["title"] == group]
+    return {j["seed"]: j[metric] for j in g["jobs"] if j["status"] == "ok"}
+
+
+@pytest.mark.e2e
+def test_two_groups_of_a_sweep_are_compared_seed_by_seed(sequential, tmp_path):
+    """lr 0.05 and 0.1 over seeds 0-2: the second against the first, paired over the three
+    seeds, numbers as SciPy's; --baseline turns it round; --metric adds one."""
+    out = repro("report", str(sequential), "--metric", "val_loss", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["baseline"] == "optim.lr=0.05"
+    acc, loss = report["comparisons"]
+    assert (acc["group"], acc["metric"], loss["metric"]) == (
+        "optim.lr=0.1",
+        "val_accuracy",
+        "val_loss",
+    )
+    a, b = values(report, "optim.lr=0.05"), values(report, "optim.lr=0.1")
+    ref = scipy_stats.ttest_rel([b[s] for s in (0, 1, 2)], [a[s] for s in (0, 1, 2)])
+    assert acc["paired"] and acc["n"] == 3 and acc["seeds"] == [0, 1, 2]
+    assert acc["mean_diff"] == pytest.approx(statistics.fmean(b[s] - a[s] for s in a), abs=1e-15)
+    if math.isfinite(ref.pvalue):  # SciPy gives NaN for differences with no spread
+        assert acc["p_value"] == pytest.approx(ref.pvalue, rel=1e-8)
+        ci = ref.confidence_interval()
+        assert acc["ci95"] == pytest.approx([ci.low, ci.high], rel=1e-8)
+    welch = scipy_stats.ttest_ind(list(b.values()), list(a.values()), equal_var=False)
+    assert acc["welch"]["p_value"] == pytest.approx(welch.pvalue, rel=1e-8, nan_ok=True)
+    assert acc["config_differs"] == ["optim.lr: 0.05 -> 0.1"] and not acc["environment_differs"]
+    assert (
+        acc["verdict"] in out.stdout and "| optim.lr=0.1 | val_accuracy | 3 | yes |" in out.stdout
+    )
+    assert (tmp_path / "comparison.png").stat().st_size > 10_000
+    flipped = repro("report", str(sequential), "--baseline", "optim.lr=0.1", "--out", str(tmp_path))
+    assert flipped.returncode == 0, flipped.stderr
+    (back,) = json.loads((tmp_path / "report.json").read_text())["comparisons"]
+    assert back["mean_diff"] == pytest.approx(-acc["mean_diff"], abs=1e-15)
+    assert back["group"] == "optim.lr=0.05"
+
+
+@pytest.mark.e2e
+def test_two_sweep_directories_are_compared_by_seed(sequential, parallel, tmp_path):
+    """Another day's sweep (the parallel one: lr 0.05, seeds 0 and 1) against this one's lr
+    0.05 group: paired over the two seeds both ran, the same bits, seed 2 listed as left
+    out; environments that differ are labelled as such."""
+    out = repro(
+        "report",
+        str(sequential),
+        str(parallel),
+        "--baseline",
+        f"{sequential} optim.lr=0.05",
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    (written,) = (tmp_path / "reports").iterdir()  # several directories: a new folder here
+    report = json.loads((written / "report.json").read_text())
+    assert report["dirs"] == [str(sequential), str(parallel)]
+    same = next(c for c in report["comparisons"] if c["group"].startswith(parallel.name))
+    assert same["paired"] and same["seeds"] == [0, 1] and same["same_weights"] == 2
+    assert same["mean_diff"] == 0 and same["config_differs"] == []
+    assert same["verdict"].startswith("the same val_accuracy for every seed")
+    assert [(x["side"], x["seed"]) for x in same["left_out"]] == [("baseline", 2)]
+    other = next(c for c in report["comparisons"] if c["group"].endswith("optim.lr=0.1"))
+    assert other["n"] == 3 and other["config_differs"] == ["optim.lr: 0.05 -> 0.1"]
+    # yesterday's sweep on another torch: still paired by seed, but labelled
+    moved = tmp_path / "other-torch"
+    shutil.copytree(parallel, moved)
+    for path in moved.glob("*/summary.json"):
+        summary = json.loads(path.read_text())
+        summary["environment"]["torch"] = "2.0.0"
+        path.write_text(json.dumps(summary))
+    report, text, _ = write_report([sequential, moved], tmp_path / "env")
+    (c,) = [c for c in report["comparisons"] if c["group"].startswith("other-torch")]
+    assert c["environment_differs"] == [f"torch: {c_torch(sequential)} vs 2.0.0"]
+    assert c["verdict"].startswith("across environments: ")
+
+
+def c_torch(sweep_dir):
+    return json.loads(next(sweep_dir.glob("*/summary.json")).read_text())["environment"]["torch"]
+
+
+@pytest.mark.e2e
+def test_a_failed_seed_is_left_out_of_the_pairs_and_listed(sequential, tmp_path):
+    copy = tmp_path / "failed"
+    shutil.copytree(sequential, copy)
+    job = next(copy.glob("4_*"))  # lr 0.1, seed 1
+    (job / "summary.json").unlink()
+    (job / "error.json").write_text(json.dumps({"type": "RuntimeError", "message": "boom"}))
+    report, text, _ = write_report(copy)
+    (c,) = report["comparisons"]
+    assert c["paired"] and c["seeds"] == [0, 2] and c["n"] == 2
+    a, b = values(report, "optim.lr=0.05"), values(report, "optim.lr=0.1")
+    assert c["mean_diff"] == pytest.approx(statistics.fmean(b[s] - a[s] for s in (0, 2)))
+    left = {(x["side"], x["seed"]): x["why"] for x in c["left_out"]}
+    assert left == {
+        ("group", 1): "failed",
+        ("baseline", 1): "no finished job of the group has this seed",
+    }
+    assert "left out: seed 1 of the group (failed)" in text
+
+
+@pytest.mark.e2e
+def test_runs_directories_compare_too_and_bad_choices_are_one_line(sequential, tmp_path):
+    """Two single runs (one seed each) compare unpaired, with no spread to judge by; a
+    baseline or metric that names nothing is one line."""
+    run_a, run_b = next(sequential.glob("0_*")), next(sequential.glob("3_*"))
+    report, text, _ = write_report([run_a, run_b], tmp_path / "runs")
+    (c,) = report["comparisons"]
+    assert not c["paired"] and c["n"] == 2 and "no spread to judge by" in c["verdict"]
+    for args, expected in (
+        (["--baseline", "optim.lr=0.3"], "--baseline 'optim.lr=0.3' names no group; the groups:"),
+        (["--baseline", "trainer.max_steps=6"], "names 2 groups"),
+        (["--metric", "val_dice"], "--metric val_dice: not a metric of the baseline's jobs"),
+    ):
+        out = repro("report", str(sequential), "--out", str(tmp_path / "x"), *args)
+        assert out.returncode == 2 and expected in out.stderr, out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
 
-from repro.config import flatten
+from repro.config import RELEVANT_ENVIRONMENT, RELEVANT_ON_CPU, flatten
 from repro.errors import CheckpointError
 from repro.files import BEST_FILE, CHECKPOINT_DIR
 from repro.rng import global_rng_states, set_global_rng_states
@@ -410,9 +410,6 @@ NOT_COMPARED = (
     "data.test_size",
     "data.in_memory",  # image_folder read up front or per sample: the same bytes (tested)
 )
-RELEVANT_ENVIRONMENT = ("torch", "cuda", "cudnn", "gpu", "gpu_sm_count")
-# Where the CPU computes the step, the kernels it dispatches to decide the bits too.
-RELEVANT_ON_CPU = ("cpu_capability", "cpu_isa", "cpu_dispatch_limits")
 
 
 def mismatches(

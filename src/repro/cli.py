@@ -73,10 +73,16 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    """Summarise a seed sweep: per-seed table, mean, SD, 95% CI, outliers, curves."""
+    """Summarise seed sweeps (per-seed table, mean, SD, 95% CI, outliers, curves) and compare
+    their groups with a baseline, seed by seed: is B better than A?"""
     from repro.report import write_report
 
-    report, text, written = write_report(Path(args.sweep_dir))
+    report, text, written = write_report(
+        [Path(d) for d in args.dirs],
+        Path(args.out) if args.out else None,
+        args.baseline,
+        args.metric,
+    )
     print(text)
     print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     unfinished = report["failed"] + report["incomplete"] + report["not_started"]
@@ -116,10 +122,30 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
+def cmd_confirm(args: argparse.Namespace) -> int:
+    """Re-run a search's top trials over fresh seeds and compare them seed by seed: choose
+    the winner on a distribution, not on one lucky seed."""
+    from repro.search import confirm
+
+    report, text, written = confirm(
+        Path(args.sweep_dir),
+        args.top,
+        args.seeds,
+        Path(args.out) if args.out else None,
+        args.overrides,
+        log=lambda m: print(m, file=sys.stderr, flush=True),
+    )
+    print(text)
+    print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
+    unfinished = report["failed"] + report["incomplete"] + report["not_started"]
+    return 0 if unfinished == 0 and not report["failed_launches"] else 1
+
+
 def launch_overrides(run_dir: Path, what: str = "the directory of a run") -> list[str]:
     """The overrides a run was launched with (``.hydra/overrides.yaml``), less those that
-    only say how it ran (resumed, with a progress bar); one line if they cannot be read."""
-    from repro.config import RUN_CONTROL
+    only say how it ran (resumed, with a progress bar, as a trial of a search); one line if
+    they cannot be read."""
+    from repro.config import RUN_CONTROL, SEARCH_CONTROL
     from repro.report import load_yaml, override_key
 
     launch = run_dir / ".hydra" / "overrides.yaml"
@@ -131,7 +157,14 @@ def launch_overrides(run_dir: Path, what: str = "the directory of a run") -> lis
             f"{launch}: not a list of overrides; the run's record of its launch is damaged: "
             "restore it."
         )
-    return [o for o in overrides if override_key(o) not in RUN_CONTROL]
+    return [
+        o
+        for o in overrides
+        if override_key(o) not in RUN_CONTROL
+        and not any(
+            override_key(o) == k or override_key(o).startswith(k + ".") for k in SEARCH_CONTROL
+        )
+    ]
 
 
 def _run_config(run_dir: Path, overrides: list[str]):
@@ -228,13 +261,54 @@ def _doc(func) -> str:
     return (func.__doc__ or "").replace("%", "%%")
 
 
+def _add_sweep_commands(sub: argparse._SubParsersAction) -> None:
+    """``repro report`` and ``repro confirm``: seed sweeps, comparisons, searches."""
+    p = sub.add_parser("report", help=_doc(cmd_report), description=cmd_report.__doc__)
+    p.add_argument(
+        "dirs",
+        nargs="+",
+        metavar="DIR",
+        help="a sweep's directory (multirun/<date>/<time>_<id>) or a run's; several are "
+        "compared with each other, their jobs matched by seed",
+    )
+    p.add_argument(
+        "--baseline",
+        help="the group the others are compared with: overrides (and directories) that name "
+        "it, e.g. 'optim.lr=0.1' (default: the first group)",
+    )
+    p.add_argument(
+        "--metric",
+        action="append",
+        help="compare this metric too (repeatable; 'all': every metric); the headline always",
+    )
+    p.add_argument(
+        "--out",
+        help="where to write report.md/.json and the figures (default: the directory; for "
+        "several, reports/<date>_<time>)",
+    )
+    p.set_defaults(func=cmd_report)
+    p = sub.add_parser("confirm", help=_doc(cmd_confirm), description=cmd_confirm.__doc__)
+    p.add_argument(
+        "sweep_dir", help="the search's directory (python train.py -m hparams_search=...)"
+    )
+    p.add_argument("--top", type=int, default=3, help="trials to re-run, best first (default 3)")
+    p.add_argument("--seeds", type=int, default=5, help="fresh seeds a trial (default 5)")
+    p.add_argument("--out", help="where (default SWEEP_DIR/confirm_<date>_<time>)")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help="added to every run, e.g. hydra/launcher=parallel (after --)",
+    )
+    p.set_defaults(func=cmd_confirm)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="repro", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("digest", help=_doc(cmd_digest))
     p.add_argument("path", help="checkpoint file, or a run directory holding checkpoint.pt")
     p.set_defaults(func=cmd_digest)
-    p = sub.add_parser("compare", help=_doc(cmd_compare), description=_doc(cmd_compare))
+    p = sub.add_parser("compare", help=_doc(cmd_compare), description=cmd_compare.__doc__)
     p.add_argument("run_a", help="run directory (holds trace.jsonl, env.json)")
     p.add_argument("run_b", help="run directory to compare with")
     p.add_argument(
@@ -249,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "doctor",
         help=_doc(cmd_doctor),
-        description=_doc(cmd_doctor) + " Exit 0 when strict mode is clean, 1 when not.",
+        description=cmd_doctor.__doc__ + " Exit 0 when strict mode is clean, 1 when not.",
     )
     p.add_argument(
         "overrides", nargs="*", help="the same overrides as train.py, e.g. model=resnet18"
@@ -264,15 +338,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=int, default=12, help="--cost: modules listed (default 12)")
     p.add_argument("--config-dir", help="the conf/ directory (default: ./conf, else the project's)")
     p.set_defaults(func=cmd_doctor)
-    p = sub.add_parser("report", help=_doc(cmd_report), description=_doc(cmd_report))
-    p.add_argument("sweep_dir", help="the sweep's directory (multirun/<date>/<time>_<id>)")
-    p.set_defaults(func=cmd_report)
-    p = sub.add_parser("rerun", help=_doc(cmd_rerun), description=_doc(cmd_rerun))
+    _add_sweep_commands(sub)
+    p = sub.add_parser("rerun", help=_doc(cmd_rerun), description=cmd_rerun.__doc__)
     p.add_argument("job_dir", help="one job's directory inside a sweep directory")
     p.add_argument("--out", help="run directory for the re-run (default JOB_DIR/rerun/<time>)")
     p.set_defaults(func=cmd_rerun)
     for name, func in (("evaluate", cmd_evaluate), ("predict", cmd_predict)):
-        p = sub.add_parser(name, help=_doc(func), description=_doc(func))
+        p = sub.add_parser(name, help=_doc(func), description=func.__doc__)
         p.add_argument("run_dir", help="the run's directory")
         if name == "predict":
             p.add_argument("input_dir", help="a folder of images (searched recursively)")
@@ -297,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             p.add_argument("--out", required=True, help="CSV file (classification) or folder")
         p.set_defaults(func=func)
-    p = sub.add_parser("new", help=_doc(cmd_new), description=_doc(cmd_new))
+    p = sub.add_parser("new", help=_doc(cmd_new), description=cmd_new.__doc__)
     p.add_argument("name", nargs="?", help="the project's name: a lowercase identifier (mylab)")
     p.add_argument(
         "--remove-examples",

@@ -378,6 +378,11 @@ def validate_process_settings(cfg: DictConfig) -> None:
 
 # Keys that say how a run was launched, not what it computes (a resumed job records them).
 RUN_CONTROL = ("trainer.resume", "trainer.resume_force", "trainer.progress")
+# The environment entries (env.json's, summary.json's "environment") that decide the bits:
+# a resume across them is refused, a comparison across them is labelled.
+RELEVANT_ENVIRONMENT = ("torch", "cuda", "cudnn", "gpu", "gpu_sm_count")
+# Where the CPU computes the step, the kernels it dispatches to decide the bits too.
+RELEVANT_ON_CPU = ("cpu_capability", "cpu_isa", "cpu_dispatch_limits")
 
 # The groups built by ``_target_``, and the keys the run passes them (repro.build) rather
 # than the config: not config keys, so not listed as allowed ones.
@@ -684,11 +689,12 @@ def _accepts(tp: Any, value: Any) -> tuple[bool, str]:
     return True, ""  # lists and the rest: left to OmegaConf
 
 
-def check_overrides(args: list[str], conf_dir: Path) -> None:
+def check_overrides(args: list[str], conf_dir: Path, multirun: bool | None = None) -> None:
     """Check command-line overrides of config groups and schema-typed keys before Hydra
     composes anything, so that ``trainer.max_steps=abc`` or ``determinism=nope`` is one line
     naming the key and what is allowed. Sweeps (``seed=0,1,x``) are checked value by value.
-    What this does not recognise is left to Hydra, which reports it in its own words."""
+    What this does not recognise is left to Hydra, which reports it in its own words.
+    ``multirun``: whether ``train.py`` was given ``-m`` (None: not a command line)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     candidates = [a for a in args if "=" in a and not a.startswith("-")]
@@ -701,6 +707,8 @@ def check_overrides(args: list[str], conf_dir: Path) -> None:
         overrides = OverridesParser.create().parse_overrides(candidates)
     except Exception:
         return  # a syntax error: Hydra explains it
+    if not extra_search_path:
+        _check_search(overrides, conf_dir, multirun)
     for o in overrides:
         key = o.key_or_group
         if key in GONE:
@@ -742,6 +750,48 @@ def check_overrides(args: list[str], conf_dir: Path) -> None:
             ok, phrase = _accepts(tp, v)
             if not ok:
                 raise ConfigError(f"config error: {key}={v!r} is invalid; allowed: {phrase}.")
+
+
+# Overrides that choose how a sweep picks its jobs, not what a job computes: a job of a search
+# is re-run, evaluated or confirmed without them.
+SEARCH_CONTROL = ("hparams_search", "hydra/sweeper", "hydra.sweeper")
+SEARCH_PLUGIN = ("hydra-optuna-sweeper", "hydra_plugins.hydra_optuna_sweeper")
+
+
+def _check_search(overrides: list[Any], conf_dir: Path, multirun: bool | None) -> None:
+    """``hparams_search=NAME``: the sweeper's package is installed, ``-m`` is given (one run
+    would ignore the search), and a search named after a preset runs with that preset."""
+    chosen = {o.key_or_group: o for o in overrides if not o.is_delete()}
+    search = chosen.get("hparams_search")
+    if search is None or search.is_sweep_override() or search.value() in (None, "null"):
+        return
+    name = str(search.value())
+    if not (conf_dir / "hparams_search" / f"{name}.yaml").is_file():
+        return  # not an option: the group check names the allowed ones
+    try:
+        found = importlib.util.find_spec(SEARCH_PLUGIN[1]) is not None
+    except ModuleNotFoundError:  # no hydra_plugins at all
+        found = False
+    if not found:
+        raise MissingPackage(
+            f"config error: hparams_search={name} needs Hydra's Optuna sweeper, an optional "
+            f"package (pyproject.toml's 'optuna' extra) that is not installed here: make add "
+            f"PKG={SEARCH_PLUGIN[0]}.",
+            SEARCH_PLUGIN[0],
+        )
+    if multirun is False:
+        raise ConfigError(
+            f"config error: hparams_search={name} runs a search of many runs: add -m "
+            f"(python train.py -m hparams_search={name} ...)."
+        )
+    experiment = chosen.get("experiment")
+    given = None if experiment is None else str(experiment.value())
+    if (conf_dir / "experiment" / f"{name}.yaml").is_file() and given != name:
+        raise ConfigError(
+            f"config error: hparams_search={name} searches the keys of experiment={name}, "
+            f"but the run is {'the default' if given is None else 'experiment=' + given}: "
+            f"add experiment={name}."
+        )
 
 
 def _check_target_key(key: str, override: str, args: list[str], conf_dir: Path) -> None:

@@ -467,6 +467,7 @@ def finish(
         "final_loss": logs.last_loss,
         **logs.last_metrics,
         "headline": headline,
+        "higher_is_better": training.task.higher_is_better,
         "metric_names": list(logs.last_metrics),
         "class_names": list(data.class_names) if data.class_names else None,
         "seed": training.seed,

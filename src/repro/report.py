@@ -1,15 +1,21 @@
-"""``repro report SWEEP_DIR``: a seed sweep as a distribution, not a pick.
+"""``repro report DIR [DIR ...]``: seed sweeps as distributions, and groups compared seed
+by seed.
 
 "Which run is right?" has no answer; the distribution over seeds does. For each group of jobs
 that share every override but the seed (``lr=0.1,0.01 seed=0,1,2`` gives two groups), the
 report lists each job (seed, status, final metrics, weights digest), then per metric -- the
 task's headline first (``val_accuracy`` for classification), its other metrics, the final
-training loss -- the mean,
-the standard deviation, min/max, a 95% confidence interval for the mean (Student t, n - 1
-degrees of freedom), and any seed more than 2 SD from the mean. Jobs that failed or did not
-finish are listed as such, never dropped. Writes ``report.md``, ``report.json`` and, with
-matplotlib installed (``pip install -e '.[report]'``), a figure of every seed's loss and
-headline-metric curves with the mean ± SD band.
+training loss -- the mean, the standard deviation, min/max, a 95% confidence interval for
+the mean (Student t, n - 1 degrees of freedom), and any seed more than 2 SD from the mean.
+Jobs that failed or did not finish are listed as such, never dropped.
+
+With two or more groups -- of one sweep, or of several directories (yesterday's sweep and
+today's, single runs too) -- "is B better than A?" gets an answer: each group is compared
+with a baseline, seed by seed (:mod:`repro.comparisons`).
+
+Writes ``report.md``, ``report.json`` and, with matplotlib installed (``pip install -e
+'.[report]'``), a figure of every seed's loss and headline-metric curves with the mean ± SD
+band per group, and one of the seeds' values side by side (``comparison.png``).
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from repro.comparisons import compare_groups, format_comparisons
 from repro.config import RUN_CONTROL
 from repro.errors import ReproError
 from repro.files import ERROR_FILE, EVAL_FILE, METRICS_FILE, SUMMARY_FILE, finite_or_null
+from repro.stats import mean_interval
 
 # The headline and metrics of summaries written before tasks recorded them.
 DEFAULT_METRICS = ("val_accuracy", "val_loss")
@@ -36,28 +44,6 @@ DEFAULT_METRICS = ("val_accuracy", "val_loss")
 
 def override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
-
-
-def t_quantile(p: float, df: int) -> float:
-    """Quantile of Student's t distribution (no SciPy): bisection on the CDF, which is
-    integrated with Simpson's rule. Accurate to ~1e-6 for the 95% interval."""
-
-    def pdf(x: float) -> float:
-        c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-        return math.exp(c - (df + 1) / 2 * math.log1p(x * x / df))
-
-    def cdf(x: float, n: int = 2000) -> float:
-        h = x / n
-        inner = sum((4 if i % 2 else 2) * pdf(i * h) for i in range(1, n))
-        return 0.5 + (pdf(0.0) + pdf(x) + inner) * h / 3
-
-    lo, hi = 0.0, 1.0
-    while cdf(hi) < p:
-        hi *= 2
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
-    return (lo + hi) / 2
 
 
 @dataclass
@@ -69,6 +55,7 @@ class Job:
     status: str  # ok | failed | incomplete | not started
     summary: dict[str, Any] = field(default_factory=dict)
     error: str = ""
+    source: int = 0  # which of the report's directories it came from
 
     @property
     def metrics(self) -> list[str]:
@@ -165,29 +152,41 @@ def load_yaml(
         ) from None
 
 
-def find_jobs(sweep_dir: Path) -> list[Job]:
+def _job(job_dir: Path, num: int, source: int) -> Job | None:
+    """The job a directory holds (None: not a run's directory)."""
+    overrides_file = job_dir / ".hydra" / "overrides.yaml"
+    if not overrides_file.is_file():
+        return None
+    overrides = [str(o) for o in load_yaml(overrides_file)]
+    config_file = job_dir / ".hydra" / "config.yaml"
+    seed = None
+    if config_file.is_file():
+        config = load_yaml(config_file)
+        seed = config.get("seed") if isinstance(config, dict) else None
+    head = job_dir.name.split("_", 1)[0]
+    num = int(head) if head.isdigit() else num
+    status, summary, error = _job_status(job_dir)
+    return Job(job_dir, num, overrides, seed, status, summary, error, source)
+
+
+def find_jobs(sweep_dir: Path, source: int = 0) -> list[Job]:
+    """The jobs of a sweep's directory, the planned ones that never started included; or the
+    one job of a run's directory."""
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
         raise ReproError(f"{sweep_dir}: no such sweep directory.")
+    alone = _job(sweep_dir, 0, source)  # `python train.py ...`'s run directory
+    if alone is not None:
+        return [alone]
     jobs = []
     for sub in sorted(p for p in sweep_dir.iterdir() if p.is_dir()):
-        overrides_file = sub / ".hydra" / "overrides.yaml"
-        if not overrides_file.is_file():
-            continue
-        overrides = [str(o) for o in load_yaml(overrides_file)]
-        config_file = sub / ".hydra" / "config.yaml"
-        seed = None
-        if config_file.is_file():
-            config = load_yaml(config_file)
-            seed = config.get("seed") if isinstance(config, dict) else None
-        head = sub.name.split("_", 1)[0]
-        num = int(head) if head.isdigit() else len(jobs)
-        status, summary, error = _job_status(sub)
-        jobs.append(Job(sub, num, overrides, seed, status, summary, error))
+        job = _job(sub, len(jobs), source)
+        if job is not None:
+            jobs.append(job)
     if not jobs:
         raise ReproError(
             f"{sweep_dir}: no job directories (with .hydra/overrides.yaml); give the directory "
-            "of a `python train.py -m ...` sweep, e.g. multirun/<date>/<time>_<id>."
+            "of a `python train.py -m ...` sweep, e.g. multirun/<date>/<time>_<id>, or of a run."
         )
     started = {_what(j.overrides) for j in jobs}  # by what a job computes, not its folder
     default_seed = next((j.seed for j in jobs if j.seed is not None), None)
@@ -195,25 +194,18 @@ def find_jobs(sweep_dir: Path) -> list[Job]:
         if _what(overrides) not in started:  # the sweep was stopped before this job
             seed = _seed_of(overrides, default_seed)
             jobs.append(
-                Job(sweep_dir / str(num), num, overrides, seed, NOT_STARTED, {}, "never started")
+                Job(
+                    sweep_dir / str(num),
+                    num,
+                    overrides,
+                    seed,
+                    NOT_STARTED,
+                    {},
+                    "never started",
+                    source,
+                )
             )
     return sorted(jobs, key=lambda j: j.num)
-
-
-def describe(values: list[float]) -> dict[str, Any]:
-    """n, mean, SD, min, max, 95% CI of the mean (Student t, df = n - 1)."""
-    n = len(values)
-    out: dict[str, Any] = {"n": n}
-    if n == 0:
-        return out
-    mean = statistics.fmean(values)
-    out.update(mean=mean, min=min(values), max=max(values))
-    if n >= 2:
-        sd = statistics.stdev(values)
-        t = t_quantile(0.975, n - 1)
-        half = t * sd / math.sqrt(n)
-        out.update(sd=sd, ci95=[mean - half, mean + half], t=t, df=n - 1)
-    return out
 
 
 def as_json(report: dict[str, Any]) -> str:
@@ -237,58 +229,82 @@ def outliers(jobs: list[Job], metric: str, stats: dict[str, Any]) -> list[dict[s
     return found
 
 
-def _curves(job: Job, metric: str) -> tuple[dict[int, float], dict[int, float]]:
+def _curves(job_dir: Path, metric: str) -> tuple[dict[int, float], dict[int, float]]:
     """The training loss per step and ``metric`` per evaluation."""
     loss, evals = {}, {}
-    if (job.dir / METRICS_FILE).is_file():
-        with open(job.dir / METRICS_FILE) as f:
+    if (job_dir / METRICS_FILE).is_file():
+        with open(job_dir / METRICS_FILE) as f:
             loss = {int(r["step"]): float(r["loss"]) for r in csv.DictReader(f)}
-    if (job.dir / EVAL_FILE).is_file():
-        with open(job.dir / EVAL_FILE) as f:
+    if (job_dir / EVAL_FILE).is_file():
+        with open(job_dir / EVAL_FILE) as f:
             evals = {int(r["step"]): float(r[metric]) for r in csv.DictReader(f) if r.get(metric)}
     return loss, evals
 
 
-def build_report(sweep_dir: Path) -> dict[str, Any]:
-    jobs = find_jobs(sweep_dir)
-    groups: dict[tuple[str, ...], list[Job]] = {}
+def labels(dirs: list[Path]) -> list[str]:
+    """The shortest trailing parts of the paths that tell the directories apart."""
+    parts = [Path(d).resolve().parts for d in dirs]
+    for k in range(1, max(len(p) for p in parts) + 1):
+        names = ["/".join(p[-k:]) for p in parts]
+        if len(set(names)) == len(names):
+            return names
+    return [str(d) for d in dirs]  # the same directory twice
+
+
+def build_report(
+    dirs: Path | list[Path], baseline: str | None = None, metrics: list[str] | None = None
+) -> dict[str, Any]:
+    """The report of one sweep (or run) directory, or of several compared: the groups, their
+    statistics, and each group compared with the ``baseline`` group (:mod:`repro.comparisons`)
+    on the headline metric and ``metrics``."""
+    dirs = [Path(d) for d in ([dirs] if isinstance(dirs, (str, Path)) else dirs)]
+    jobs = [j for i, d in enumerate(dirs) for j in find_jobs(d, source=i)]
+    names = labels(dirs)
+    groups: dict[tuple[int, tuple[str, ...]], list[Job]] = {}
     for j in jobs:
-        groups.setdefault(j.group, []).append(j)
+        groups.setdefault((j.source, j.group), []).append(j)
     out_groups = []
-    for key, members in groups.items():
+    for (source, key), members in groups.items():  # in the order of their first job
         ok = [j for j in members if j.status == "ok"]
-        names = (ok or members)[0].metrics  # the group's task: headline first
-        metrics = {}
-        for m in names:
+        names_ = (ok or members)[0].metrics  # the group's task: headline first
+        stats_ = {}
+        for m in names_:
             values = [j.summary[m] for j in ok if isinstance(j.summary.get(m), (int, float))]
             values = [v for v in values if math.isfinite(v)]
-            stats = describe(values)
+            stats = mean_interval(values)
             stats["outliers"] = outliers(ok, m, stats)
-            metrics[m] = stats
+            stats_[m] = stats
+        first = (ok or members)[0].summary
         out_groups.append(
             {
+                "source": str(dirs[source]),
+                "label": names[source],
                 "overrides": list(key),
                 "jobs": [
                     {
                         "job": j.dir.name,
+                        "dir": str(j.dir),
                         "seed": j.seed,
                         "status": j.status,
                         "error": j.error,
-                        **{m: j.summary.get(m) for m in (*names, "steps", "weights_sha256")},
+                        **{m: j.summary.get(m) for m in (*names_, "steps", "weights_sha256")},
                         "rerun": j.rerun_command(),
                     }
                     for j in members
                 ],
-                "headline": names[0],
-                "metrics": metrics,
+                "headline": names_[0],
+                "higher_is_better": first.get("higher_is_better"),
+                "metrics": stats_,
                 "distinct_weights": len({j.summary["weights_sha256"] for j in ok}),
             }
         )
     common = [o for o in out_groups[0]["overrides"] if all(o in g["overrides"] for g in out_groups)]
     for g in out_groups:
-        g["title"] = " ".join(o for o in g["overrides"] if o not in common)
-    return {
-        "sweep_dir": str(sweep_dir),
+        rest = " ".join(o for o in g["overrides"] if o not in common)
+        g["title"] = rest if len(dirs) == 1 else " ".join(filter(None, [g["label"] + ":", rest]))
+    report = {
+        "sweep_dir": str(dirs[0]),
+        "dirs": [str(d) for d in dirs],
         "common_overrides": common,
         "date": dt.datetime.now().isoformat(timespec="seconds"),
         "jobs": len(jobs),
@@ -298,6 +314,8 @@ def build_report(sweep_dir: Path) -> dict[str, Any]:
         "not_started": sum(j.status == NOT_STARTED for j in jobs),
         "groups": out_groups,
     }
+    report.update(compare_groups(out_groups, list(groups.values()), baseline, metrics))
+    return report
 
 
 def _num(x: Any, digits: int = 4) -> str:
@@ -312,13 +330,17 @@ def format_markdown(report: dict[str, Any], figures: dict[int, str]) -> str:
     if report.get("not_started"):  # the sweep was stopped before it started them all
         counts = counts.replace(" jobs: ", " jobs planned: ", 1)
         counts += f", {report['not_started']} never started"
+    dirs = report.get("dirs") or [report["sweep_dir"]]
     lines = [
-        f"# Sweep report: `{report['sweep_dir']}`",
+        "# Sweep report: " + ", ".join(f"`{d}`" for d in dirs),
         "",
         f"{counts}. Generated {report['date']} by `repro report`.",
     ]
     if report["common_overrides"]:
         lines += ["", "Overrides of every job: `" + " ".join(report["common_overrides"]) + "`"]
+    lines += format_comparisons(report)
+    if -1 in figures:
+        lines += ["", f"![seeds compared]({figures[-1]})"]
     for i, g in enumerate(report["groups"]):
         title = g["title"] or "all jobs (only the seed varies)"
         lines += ["", f"## {title}", ""]
@@ -370,8 +392,9 @@ def format_markdown(report: dict[str, Any], figures: dict[int, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(report: dict[str, Any], sweep_dir: Path) -> tuple[dict[int, str], str | None]:
-    """One PNG per group: training loss and the headline metric of every seed, mean ± SD."""
+def plot(report: dict[str, Any], out_dir: Path) -> tuple[dict[int, str], str | None]:
+    """One PNG per group: training loss and the headline metric of every seed, mean ± SD;
+    with a comparison, ``comparison.png`` (:func:`repro.comparisons.plot_comparison`)."""
     try:
         import matplotlib
 
@@ -379,16 +402,17 @@ def plot(report: dict[str, Any], sweep_dir: Path) -> tuple[dict[int, str], str |
         import matplotlib.pyplot as plt
     except ImportError:
         return {}, "matplotlib is not installed (pip install -e '.[report]'): no figure"
-    jobs = {j.dir.name: j for j in find_jobs(sweep_dir)}
-    figures = {}
+    from repro.comparisons import plot_comparison
+
+    figures: dict[int, str] = {}
     for i, g in enumerate(report["groups"]):
-        members = [jobs[j["job"]] for j in g["jobs"] if j["status"] == "ok"]
+        members = [j for j in g["jobs"] if j["status"] == "ok"]
         if not members:
             continue
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         headline = g["headline"]
         for ax, which, label in ((axes[0], 0, "training loss"), (axes[1], 1, headline)):
-            curves = [_curves(j, headline)[which] for j in members]
+            curves = [_curves(Path(j["dir"]), headline)[which] for j in members]
             for j, c in zip(members, curves, strict=True):
                 style = "o-" if which else "-"  # evaluations are few points
                 ax.plot(
@@ -398,7 +422,7 @@ def plot(report: dict[str, Any], sweep_dir: Path) -> tuple[dict[int, str], str |
                     lw=0.8,
                     ms=3,
                     alpha=0.6,
-                    label=f"seed {j.seed}",
+                    label=f"seed {j['seed']}",
                 )
             common = sorted(set.intersection(*(set(c) for c in curves)))
             common = [s for s in common if all(math.isfinite(c[s]) for c in curves)]
@@ -421,20 +445,36 @@ def plot(report: dict[str, Any], sweep_dir: Path) -> tuple[dict[int, str], str |
         fig.suptitle(g["title"] or "all jobs (only the seed varies)", fontsize=9)
         fig.tight_layout()
         name = "report.png" if len(report["groups"]) == 1 else f"report-{i}.png"
-        fig.savefig(sweep_dir / name, dpi=110)
+        fig.savefig(out_dir / name, dpi=110)
         plt.close(fig)
         figures[i] = name
+    name = plot_comparison(report, out_dir)
+    if name:
+        figures[-1] = name  # the comparison's, shown with its table
     return figures, None
 
 
-def write_report(sweep_dir: Path) -> tuple[dict[str, Any], str, list[Path]]:
-    """Build the report and write report.md, report.json (and PNGs) into the sweep dir."""
-    sweep_dir = Path(sweep_dir)
-    report = build_report(sweep_dir)
-    (sweep_dir / "report.json").write_text(as_json(report))  # text first
-    (sweep_dir / "report.md").write_text(format_markdown(report, {}))
+def write_report(
+    dirs: Path | list[Path],
+    out: Path | None = None,
+    baseline: str | None = None,
+    metrics: list[str] | None = None,
+) -> tuple[dict[str, Any], str, list[Path]]:
+    """Build the report and write report.md, report.json (and PNGs) into ``out``: by default
+    the directory reported on, or for several a new ``reports/<date>_<time>`` here."""
+    dirs = [Path(d) for d in ([dirs] if isinstance(dirs, (str, Path)) else dirs)]
+    report = build_report(dirs, baseline, metrics)  # reads everything before writing a byte
+    if out is None:
+        stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+        out = dirs[0] if len(dirs) == 1 else Path("reports") / stamp
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ReproError(f"--out {out}: exists and is not a directory; give a directory.")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(as_json(report))  # text first
+    (out / "report.md").write_text(format_markdown(report, {}))
     try:
-        figures, note = plot(report, sweep_dir)
+        figures, note = plot(report, out)
     except Exception as err:  # a figure is a bonus: never lose the text report to it
         figures, note = {}, f"no figure ({type(err).__name__}: {err})"
     report["figures"] = list(figures.values())
@@ -443,8 +483,8 @@ def write_report(sweep_dir: Path) -> tuple[dict[str, Any], str, list[Path]]:
     text = format_markdown(report, figures)
     if note:
         text += f"\n_{note}._\n"
-    (sweep_dir / "report.md").write_text(text)
-    (sweep_dir / "report.json").write_text(as_json(report))
-    written = [sweep_dir / "report.md", sweep_dir / "report.json"]
-    written += [sweep_dir / f for f in figures.values()]
+    (out / "report.md").write_text(text)
+    (out / "report.json").write_text(as_json(report))
+    written = [out / "report.md", out / "report.json"]
+    written += [out / f for f in figures.values()]
     return report, text, written

@@ -1,0 +1,126 @@
+"""Hyperparameter search (hparams_search=..., Hydra's Optuna sweeper): every trial is an
+ordinary run (`repro rerun` gives its bits), the objective is the headline metric, and
+`repro confirm` re-runs the top trials over fresh seeds and compares them seed by seed."""
+
+import json
+
+import pytest
+
+import launch
+from conftest import CONF_DIR, train_cmd, user_env
+from repro.config import check_overrides
+from repro.errors import ConfigError, MissingPackage
+
+TINY = [
+    "trainer.max_steps=6",
+    "trainer.eval_every=3",
+    "data.train_size=512",
+    "data.val_size=128",
+    "model.width=8",
+]
+
+
+def repro(*args, cwd=None):
+    return launch.run(
+        [launch.sys.executable, "-m", "repro", *args],
+        capture_output=True,
+        text=True,
+        env=user_env(),
+        cwd=cwd,
+    )
+
+
+@pytest.fixture(scope="module")
+def search(tmp_path_factory):
+    """Three trials of the default run's search preset, at a tiny size."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install -e '.[dev]'")
+    cwd = tmp_path_factory.mktemp("search")
+    sweep_dir = cwd / "search"
+    proc = launch.run(
+        train_cmd(
+            "-m",
+            "hparams_search=convnet",
+            "hydra.sweeper.n_trials=3",
+            *TINY,
+            f"hydra.sweep.dir={sweep_dir}",
+        ),
+        cwd=cwd,
+        env=user_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return sweep_dir
+
+
+def summaries(sweep_dir):
+    return {p.parent.name: json.loads(p.read_text()) for p in sweep_dir.glob("*/summary.json")}
+
+
+@pytest.mark.e2e
+def test_the_search_runs_its_trials_on_the_headline_metric(search):
+    trials = summaries(search)
+    assert sorted(trials) == ["0_seed=0", "1_seed=0", "2_seed=0"]
+    lrs = set()
+    for name in trials:
+        overrides = (search / name / ".hydra" / "overrides.yaml").read_text()
+        lrs |= {line for line in overrides.splitlines() if line.startswith("- optim.lr=")}
+    assert len(lrs) == 3  # the sampler chose a learning rate per trial
+    from repro.report import load_yaml
+
+    best = load_yaml(search / "optimization_results.yaml")
+    assert best["best_value"] == max(s["val_accuracy"] for s in trials.values())
+
+
+@pytest.mark.e2e
+def test_a_trial_rerun_alone_gives_its_bits(search):
+    job = search / "1_seed=0"
+    out = repro("rerun", str(job))
+    assert out.returncode == 0, out.stdout + out.stderr
+    weights = summaries(search)["1_seed=0"]["weights_sha256"]
+    assert out.stdout.splitlines()[0] == f"identical: 6 steps, weights {weights}"
+
+
+@pytest.mark.e2e
+def test_confirm_reruns_the_top_trials_over_fresh_seeds(search, tmp_path):
+    out_dir = tmp_path / "confirm"
+    out = repro("confirm", str(search), "--top", "2", "--seeds", "2", "--out", str(out_dir))
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads((out_dir / "report.json").read_text())
+    ranked = sorted(summaries(search).values(), key=lambda s: -s["val_accuracy"])
+    first = report["search"]["trials"][0]
+    assert first["search_value"] == ranked[0]["val_accuracy"]
+    assert report["search"]["seeds"] == [1, 2]  # fresh: the search ran seed 0
+    jobs = [j for g in report["groups"] for j in g["jobs"]]
+    assert sorted(j["seed"] for j in jobs) == [1, 1, 2, 2] and report["ok"] == 4
+    (c,) = report["comparisons"]
+    assert c["paired"] and c["n"] == 2 and c["baseline"].startswith("trial-1")
+    assert "Best mean over the fresh seeds: search rank" in out.stdout
+    # each confirmed job is an ordinary run of the trial's config at its seed
+    trial_1 = [o for o in first["overrides"] if o.startswith("optim.")]
+    overrides = (next((out_dir / "trial-1").glob("0_*")) / ".hydra" / "overrides.yaml").read_text()
+    assert all(f"- {o}" in overrides for o in trial_1) and "hparams_search" not in overrides
+
+
+def test_search_presets_need_the_multirun_flag_and_their_experiment():
+    with pytest.raises(ConfigError, match="add -m"):
+        check_overrides(["hparams_search=convnet"], CONF_DIR, multirun=False)
+    with pytest.raises(ConfigError, match="add experiment=segmentation"):
+        check_overrides(["-m", "hparams_search=segmentation"], CONF_DIR, multirun=True)
+    check_overrides(
+        ["-m", "experiment=segmentation", "hparams_search=segmentation"], CONF_DIR, multirun=True
+    )
+
+
+def test_a_missing_optuna_sweeper_is_one_line_naming_the_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if "optuna" in name else real(name, *a),
+    )
+    with pytest.raises(MissingPackage, match="make add PKG=hydra-optuna-sweeper") as err:
+        check_overrides(["-m", "hparams_search=convnet"], CONF_DIR, multirun=True)
+    assert err.value.package == "hydra-optuna-sweeper"
