@@ -57,7 +57,9 @@ LONGEST_FIRST = [
     "test_scripts.py",
     "test_train.py",
     "test_segmentation.py",
+    "test_sweep.py",
     "test_scaffold.py",
+    "test_search.py",
 ]
 
 
