@@ -19,10 +19,16 @@ XDIST ?= -n $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) + 1 ))) --maxproce
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
+# --no-compile: pip would byte-compile every module of every package (torch's alone: 20 of the
+# 28 s its install takes on 2 cores); Python compiles what is imported, once, on first import
+# -- which PYTHONDONTWRITEBYTECODE=1 in the caller's environment would turn into every import,
+# so the targets that run Python here write the cache (./.venv, and __pycache__ under src/ and
+# tests/, ignored by git).
 define install_into
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile "$(TORCH_SPEC)"
+	$(PY) -m pip install -q --no-compile -e ".[dev]"
 endef
+unexport PYTHONDONTWRITEBYTECODE
 
 ifeq ($(PY),$(VENV)/bin/python)
 install: $(STAMP) ## create .venv and install the package with its dev extras (once)

@@ -185,6 +185,22 @@ MUTATIONS = [
             "compare_names_them",
         ],
     ),
+    Mutation(
+        "unpaired-comparison",
+        "groups compared unpaired (Welch) although their seeds match",
+        "src/repro/comparisons.py",
+        "if len(common) >= 2:",
+        "if len(common) >= 2 and False:",
+        ["tests/test_sweep.py::test_two_groups_of_a_sweep_are_compared_seed_by_seed"],
+    ),
+    Mutation(
+        "pairs-misaligned",
+        "a group's values paired with another seed's of the baseline",
+        "src/repro/comparisons.py",
+        "stats.paired([a[s] for s in common], [b[s] for s in common])",
+        "stats.paired([a[s] for s in common], [b[s] for s in reversed(common)])",
+        ["tests/test_sweep.py::test_two_groups_of_a_sweep_are_compared_seed_by_seed"],
+    ),
 ]
 
 

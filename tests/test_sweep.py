@@ -367,3 +367,19 @@ def test_runs_directories_compare_too_and_bad_choices_are_one_line(sequential, t
         out = repro("report", str(sequential), "--out", str(tmp_path / "x"), *args)
         assert out.returncode == 2 and expected in out.stderr, out.stderr
         assert len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.e2e
+def test_confirm_ranks_a_seed_sweep_by_each_configs_mean_and_picks_fresh_seeds(sequential):
+    """`repro confirm` on a plain sweep: a config that ran several seeds is ranked by its
+    mean over them, not by its luckiest seed; the fresh seeds are those the sweep did not
+    use (the re-runs themselves are tested on a search, tests/test_search.py)."""
+    from repro.search import fresh_seeds, top_trials
+
+    trials, used, headline = top_trials(sequential, 2)
+    report, _, _ = write_report(sequential, sequential.parent / "ranked")
+    means = {g["title"]: g["metrics"][headline]["mean"] for g in report["groups"]}
+    assert used == [0, 1, 2] and headline == "val_accuracy"
+    assert [t.value for t in trials] == sorted(means.values(), reverse=True)
+    assert all(t.seeds == [0, 1, 2] for t in trials)
+    assert fresh_seeds(used, 3) == [3, 4, 5] and fresh_seeds([1, 3], 3) == [0, 2, 4]

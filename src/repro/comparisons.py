@@ -129,7 +129,8 @@ def per_seed(group: dict[str, Any], metric: str) -> tuple[dict[Any, float], list
     return values, left_out
 
 
-def _seed_order(seed: Any) -> tuple[int, Any]:
+def seed_order(seed: Any) -> tuple[int, Any]:
+    """Seeds in order: the integers by value, then the rest by name."""
     return (0, seed) if isinstance(seed, int) else (1, str(seed))
 
 
@@ -138,7 +139,7 @@ def compare(base: dict[str, Any], group: dict[str, Any], metric: str) -> dict[st
     (two or more), else Welch's test; the other test's interval alongside, for contrast."""
     a, a_out = per_seed(base, metric)
     b, b_out = per_seed(group, metric)
-    common = sorted(set(a) & set(b), key=_seed_order)
+    common = sorted(set(a) & set(b), key=seed_order)
     unpaired = stats.welch(list(a.values()), list(b.values()))
     if len(common) >= 2:
         result = stats.paired([a[s] for s in common], [b[s] for s in common])
@@ -169,12 +170,12 @@ def compare(base: dict[str, Any], group: dict[str, Any], metric: str) -> dict[st
             *({"side": "group", **x} for x in b_out),
             *(
                 {"side": "baseline", "seed": s, "why": "no finished job of the group has this seed"}
-                for s in sorted(set(a) - set(b), key=_seed_order)
+                for s in sorted(set(a) - set(b), key=seed_order)
                 if result["paired"]
             ),
             *(
                 {"side": "group", "seed": s, "why": "no finished job of the baseline has this seed"}
-                for s in sorted(set(b) - set(a), key=_seed_order)
+                for s in sorted(set(b) - set(a), key=seed_order)
                 if result["paired"]
             ),
         ],

@@ -301,7 +301,7 @@ def build_report(
     common = [o for o in out_groups[0]["overrides"] if all(o in g["overrides"] for g in out_groups)]
     for g in out_groups:
         rest = " ".join(o for o in g["overrides"] if o not in common)
-        g["title"] = rest if len(dirs) == 1 else " ".join(filter(None, [g["label"] + ":", rest]))
+        g["title"] = rest if len(dirs) == 1 else f"{g['label']}: {rest}" if rest else g["label"]
     report = {
         "sweep_dir": str(dirs[0]),
         "dirs": [str(d) for d in dirs],

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -19,17 +20,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from repro.comparisons import seed_order
 from repro.config import RUN_CONTROL, SEARCH_CONTROL, find_conf_dir
 from repro.errors import ReproError
-from repro.report import Job, find_jobs, load_yaml, override_key, write_report
+from repro.report import Job, as_json, find_jobs, load_yaml, override_key, write_report
 
 
 @dataclass
 class Trial:
     rank: int
     overrides: list[str]  # what the trial computes, less its seed
-    value: float  # its headline metric in the search
-    seed: Any
+    value: float  # its headline metric in the search (the mean over its seeds)
+    seeds: list[Any]  # the seeds it ran in the search
     job: Job
 
 
@@ -57,35 +59,32 @@ def higher_is_better(sweep_dir: Path, jobs: list[Job]) -> bool:
 
 
 def top_trials(sweep_dir: Path, top: int) -> tuple[list[Trial], list[Any], str]:
-    """The ``top`` best distinct configs of a sweep's finished jobs (by the headline metric,
-    best first), the seeds the sweep used, and the headline's name."""
+    """The ``top`` best distinct configs of a sweep's finished jobs, best first, by the
+    headline metric (its mean over the seeds a config ran: one seed in a search), the seeds
+    the sweep used, and the headline's name."""
     jobs = find_jobs(sweep_dir)
     done = [j for j in jobs if j.status == "ok"]
     if not done:
         raise ReproError(f"{sweep_dir}: no finished job to confirm; run the search first.")
     headline = done[0].metrics[0]
     better = higher_is_better(sweep_dir, done)
-    best: dict[tuple[str, ...], Job] = {}
+    configs: dict[tuple[str, ...], list[Job]] = {}
     for j in done:
         value = j.summary.get(headline)
-        if not isinstance(value, (int, float)) or not math.isfinite(value):
-            continue
-        key = tuple(o for o in j.overrides if _computes(o))
-        old = best.get(key)
-        if old is None or (
-            value > old.summary[headline] if better else value < old.summary[headline]
-        ):
-            best[key] = j  # a config the sweep ran at several seeds: its best
-    ranked = sorted(best.items(), key=lambda kv: kv[1].summary[headline], reverse=better)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            configs.setdefault(tuple(o for o in j.overrides if _computes(o)), []).append(j)
+    means = {key: statistics.fmean(j.summary[headline] for j in js) for key, js in configs.items()}
+    ranked = sorted(configs, key=lambda key: means[key], reverse=better)  # stable: ties by job
     trials = [
-        Trial(i + 1, list(key), float(j.summary[headline]), j.seed, j)
-        for i, (key, j) in enumerate(ranked[:top])
+        Trial(i + 1, list(key), means[key], [j.seed for j in configs[key]], configs[key][0])
+        for i, key in enumerate(ranked[:top])
     ]
     if not trials:
         raise ReproError(
             f"{sweep_dir}: no finished job has a finite {headline}; nothing to confirm."
         )
-    return trials, sorted({j.seed for j in jobs if j.seed is not None}, key=str), headline
+    seeds = sorted({j.seed for j in jobs if j.seed is not None}, key=seed_order)
+    return trials, seeds, headline
 
 
 def fresh_seeds(used: list[Any], count: int) -> list[int]:
@@ -143,8 +142,8 @@ def confirm(
             *(extra or []),
         ]
         log(
-            f"trial {t.rank}/{len(trials)} ({headline} {t.value:.4f} at seed {t.seed}): "
-            + " ".join(cmd[1:])
+            f"trial {t.rank}/{len(trials)} ({headline} {t.value:.4f} at seed "
+            f"{','.join(map(str, t.seeds))}): " + " ".join(cmd[1:])
         )
         proc = subprocess.run(cmd, stdout=sys.stderr)  # training output to stderr
         failed += proc.returncode != 0
@@ -169,11 +168,8 @@ def confirm(
             for t in trials
         ],
     }
-    summary = winner(report, trials)
-    report["search"]["winner"] = summary
+    report["search"]["winner"] = winner(report)
     text = summary_text(report, trials) + "\n" + text
-    from repro.report import as_json
-
     (out / "report.json").write_text(as_json(report))
     (out / "report.md").write_text(text)
     report["failed_launches"] = failed
@@ -189,7 +185,7 @@ def _stats(report: dict[str, Any], trial: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
-def winner(report: dict[str, Any], trials: list[Trial]) -> dict[str, Any]:
+def winner(report: dict[str, Any]) -> dict[str, Any]:
     """The trial with the best mean over the fresh seeds."""
     better = report["search"]["higher_is_better"]
     means = []
@@ -215,7 +211,8 @@ def summary_text(report: dict[str, Any], trials: list[Trial]) -> str:
         f"seed {', '.join(map(str, s['search_seeds']))}. `{headline}`, "
         f"{'higher' if s['higher_is_better'] else 'lower'} is better.",
         "",
-        f"| search rank | trial | {headline} in the search | mean over the fresh seeds | 95% CI | n |",
+        f"| search rank | trial | {headline} in the search | mean over the fresh seeds "
+        "| 95% CI | n |",
         "|---|---|---|---|---|---|",
     ]
     common = [o for o in trials[0].overrides if all(o in t.overrides for t in trials)]
