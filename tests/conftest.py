@@ -6,6 +6,7 @@ process (:func:`train_here`) everywhere else; runs that several tests read are t
 from __future__ import annotations
 
 import csv
+import fcntl
 import json
 import logging
 import os
@@ -230,14 +231,39 @@ def traced_runs(tmp_path_factory):
     """The short traced run (40 steps, strict, main-process loader) trained once for the
     whole suite as a user would (``python train.py``), and beside it, in this process, what
     it must equal or differ from: again, with 2 loader workers, with seed 1. Read, never
-    written."""
-    base = tmp_path_factory.mktemp("traced")
-    return {
-        "a": run_train(base / "a", *TRACED),
-        "b": train_here(base / "b", *TRACED),
-        "multi": train_here(base / "multi", *TRACED, "loader=multi", "loader.num_workers=2"),
-        "seed1": train_here(base / "seed1", *TRACED, "seed=1"),
-    }
+    written. Once for the session, not once a pytest-xdist worker: the first worker to need
+    them trains them, the others wait on a lock file and read them (about 20 s of the 2-core
+    machine each saved)."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the session's: its workers' temporary folders are inside
+    base, record = shared / "traced", shared / "traced.json"
+    with open(shared / "traced.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not record.is_file():
+            base.mkdir(exist_ok=True)
+            runs = {
+                "a": run_train(base / "a", *TRACED),
+                "b": train_here(base / "b", *TRACED),
+                "multi": train_here(
+                    base / "multi", *TRACED, "loader=multi", "loader.num_workers=2"
+                ),
+                "seed1": train_here(base / "seed1", *TRACED, "seed=1"),
+            }
+            record.write_text(json.dumps({k: _as_record(r) for k, r in runs.items()}))
+            return runs
+    return {k: _from_record(r) for k, r in json.loads(record.read_text()).items()}
+
+
+def _as_record(run: Run) -> dict:
+    proc = run.proc
+    done = None if proc is None else [proc.args, proc.returncode, proc.stdout, proc.stderr]
+    return {"dir": str(run.dir), "summary": run.summary, "output": run.output, "proc": done}
+
+
+def _from_record(record: dict) -> Run:
+    proc = record["proc"] and subprocess.CompletedProcess(*record["proc"])
+    return Run(Path(record["dir"]), record["summary"], record["output"], proc)
 
 
 def mixed_image_folder(root: Path, corrupt: tuple[str, ...] = ()) -> Path:

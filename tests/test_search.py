@@ -3,6 +3,7 @@ ordinary run (`repro rerun` gives its bits), the objective is the headline metri
 `repro confirm` re-runs the top trials over fresh seeds and compares them seed by seed."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -82,11 +83,16 @@ def test_a_trial_rerun_alone_gives_its_bits(search):
 
 
 @pytest.mark.e2e
-def test_confirm_reruns_the_top_trials_over_fresh_seeds(search, tmp_path):
+def test_confirm_reruns_the_top_trials_over_fresh_seeds(search, tmp_path, monkeypatch):
+    """In this process, its `python train.py -m ...` sweeps forked (tests/launch.py: the
+    same processes, without an interpreter's start each); the command line's wiring below."""
+    from repro import search as confirming
+
+    monkeypatch.setattr(confirming, "subprocess", SimpleNamespace(run=launch.run))
     out_dir = tmp_path / "confirm"
-    out = repro("confirm", str(search), "--top", "2", "--seeds", "2", "--out", str(out_dir))
-    assert out.returncode == 0, out.stderr[-3000:]
-    report = json.loads((out_dir / "report.json").read_text())
+    report, text, _ = confirming.confirm(search, 2, 2, out_dir, log=lambda m: None)
+    assert report["failed_launches"] == 0
+    assert json.loads((out_dir / "report.json").read_text())["search"] == report["search"]
     ranked = sorted(summaries(search).values(), key=lambda s: -s["val_accuracy"])
     first = report["search"]["trials"][0]
     assert first["search_value"] == ranked[0]["val_accuracy"]
@@ -95,11 +101,20 @@ def test_confirm_reruns_the_top_trials_over_fresh_seeds(search, tmp_path):
     assert sorted(j["seed"] for j in jobs) == [1, 1, 2, 2] and report["ok"] == 4
     (c,) = report["comparisons"]
     assert c["paired"] and c["n"] == 2 and c["baseline"].startswith("trial-1")
-    assert "Best mean over the fresh seeds: search rank" in out.stdout
+    assert "Best mean over the fresh seeds: search rank" in text
     # each confirmed job is an ordinary run of the trial's config at its seed
     trial_1 = [o for o in first["overrides"] if o.startswith("optim.")]
     overrides = (next((out_dir / "trial-1").glob("0_*")) / ".hydra" / "overrides.yaml").read_text()
     assert all(f"- {o}" in overrides for o in trial_1) and "hparams_search" not in overrides
+    # the command line: its arguments checked before anything runs, in one line
+    for args, expected in (
+        (["--top", "1"], "--top 1: give 2 or more"),
+        (["--seeds", "1"], "--seeds 1: give 2 or more"),
+        (["--out", str(out_dir)], "exists and is not empty; give another --out"),
+    ):
+        cli = repro("confirm", str(search), *args)
+        assert cli.returncode == 2 and expected in cli.stderr, cli.stderr
+        assert len(cli.stderr.strip().splitlines()) == 1
 
 
 def test_search_presets_need_the_multirun_flag_and_their_experiment():
