@@ -268,16 +268,23 @@ def test_two_groups_of_a_sweep_are_compared_seed_by_seed(sequential, tmp_path):
         "val_accuracy",
         "val_loss",
     )
-    a, b = values(report, "optim.lr=0.05"), values(report, "optim.lr=0.1")
-    ref = scipy_stats.ttest_rel([b[s] for s in (0, 1, 2)], [a[s] for s in (0, 1, 2)])
-    assert acc["paired"] and acc["n"] == 3 and acc["seeds"] == [0, 1, 2]
-    assert acc["mean_diff"] == pytest.approx(statistics.fmean(b[s] - a[s] for s in a), abs=1e-15)
-    if math.isfinite(ref.pvalue):  # SciPy gives NaN for differences with no spread
-        assert acc["p_value"] == pytest.approx(ref.pvalue, rel=1e-8)
-        ci = ref.confidence_interval()
-        assert acc["ci95"] == pytest.approx([ci.low, ci.high], rel=1e-8)
-    welch = scipy_stats.ttest_ind(list(b.values()), list(a.values()), equal_var=False)
-    assert acc["welch"]["p_value"] == pytest.approx(welch.pvalue, rel=1e-8, nan_ok=True)
+    for c in (acc, loss):  # the loss is continuous: its pairs are told apart by value
+        a, b = (
+            values(report, "optim.lr=0.05", c["metric"]),
+            values(report, "optim.lr=0.1", c["metric"]),
+        )
+        ref = scipy_stats.ttest_rel([b[s] for s in (0, 1, 2)], [a[s] for s in (0, 1, 2)])
+        assert c["paired"] and c["n"] == 3 and c["seeds"] == [0, 1, 2]
+        diffs = [b[s] - a[s] for s in (0, 1, 2)]
+        assert c["mean_diff"] == pytest.approx(statistics.fmean(diffs), abs=1e-15)
+        assert c["sd_diff"] == pytest.approx(statistics.stdev(diffs), abs=1e-15)
+        if math.isfinite(ref.pvalue):  # SciPy gives NaN for differences with no spread
+            assert c["p_value"] == pytest.approx(ref.pvalue, rel=1e-8)
+            ci = ref.confidence_interval()
+            assert c["ci95"] == pytest.approx([ci.low, ci.high], rel=1e-8)
+        welch = scipy_stats.ttest_ind(list(b.values()), list(a.values()), equal_var=False)
+        assert c["welch"]["p_value"] == pytest.approx(welch.pvalue, rel=1e-8, nan_ok=True)
+    assert len(set(values(report, "optim.lr=0.1", "val_loss").values())) == 3
     assert acc["config_differs"] == ["optim.lr: 0.05 -> 0.1"] and not acc["environment_differs"]
     assert (
         acc["verdict"] in out.stdout and "| optim.lr=0.1 | val_accuracy | 3 | yes |" in out.stdout
