@@ -35,6 +35,18 @@ def test_strict_on_cuda_twice_and_with_workers_is_identical(train_run):
         assert result.identical and result.lines[0].startswith("identical: 40 steps")
 
 
+def test_the_default_loader_puts_the_split_on_the_gpu_with_the_worker_loaders_bits(train_run):
+    """loader=auto (the default; train_run picks single unless told) on CUDA: the split fits,
+    so it is loader=device, and gives loader=multi's bits."""
+    auto = train_run("auto", *SHORT, "device=cuda", "loader=auto")
+    multi = train_run("multi", *SHORT, "device=cuda", "loader=multi")
+    assert (auto.summary["loader"], multi.summary["loader"]) == ("device", "multi")
+    assert auto.summary["num_workers"] == 0 and multi.summary["num_workers"] == 2
+    assert auto.entry("loader")["note"].startswith("auto: fits: the training split")
+    assert auto.summary["weights_sha256"] == multi.summary["weights_sha256"]
+    assert auto.losses == multi.losses
+
+
 NAN_FILL = "determinism.fill_uninitialized_memory=true"
 
 

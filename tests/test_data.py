@@ -513,3 +513,68 @@ def test_an_image_above_pillows_pixel_limit_is_one_warning_naming_it(tmp_path, m
     assert image.shape == (3, 12, 12) and int(image.max()) == 9
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "big.png" in lines[0] and "144 pixels" in lines[0], lines
+
+
+SMALL_RUN = ["data.train_size=256", "data.val_size=64"]
+
+
+def chosen(monkeypatch, *overrides, device="cuda", free_gib=100.0, cores=16, local=1):
+    """repro.build.choose_loader for the composed config, on ``device`` with ``free_gib`` of
+    free GPU memory, ``cores`` CPU cores and ``local`` processes on this host (no GPU
+    needed: what CUDA would answer is given)."""
+    from repro.build import build_data, choose_loader
+    from repro.config import compose
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (free_gib * 2**30, 141 * 2**30))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+    cfg = compose(list(overrides))
+    return choose_loader(cfg, build_data(cfg), torch.device(device))
+
+
+def test_loader_auto_keeps_the_multi_loader_on_a_cpu(monkeypatch):
+    from omegaconf import OmegaConf
+
+    from repro.config import compose
+
+    choice = chosen(monkeypatch, *SMALL_RUN, device="cpu")
+    assert choice.name == "multi" and choice.why == "auto: multi on cpu (2 workers)"
+    multi = OmegaConf.to_container(compose(["loader=multi"]).loader)
+    multi.pop("auto")
+    assert {k: choice.cfg[k] for k in multi} == multi  # loader=multi's settings, exactly
+
+
+def test_loader_auto_on_cuda_puts_a_split_that_fits_on_the_device(monkeypatch):
+    choice = chosen(monkeypatch, *SMALL_RUN)
+    assert choice.name == "device" and choice.why.startswith("auto: fits")
+    assert choice.cfg.on_device and choice.cfg.num_workers == 0
+    # 256 images of 3 x 32 x 32 and their labels, twice, against a quarter of what is free
+    tight = 2 * 256 * (3 * 32 * 32 + 8) / 2**30 / 0.25
+    assert chosen(monkeypatch, *SMALL_RUN, free_gib=tight * 1.01).name == "device"
+    assert chosen(monkeypatch, *SMALL_RUN, free_gib=tight * 0.99).name == "multi"
+    choice = chosen(monkeypatch, *SMALL_RUN, "loader.device_fraction=1.0", free_gib=tight / 4)
+    assert choice.name == "device"
+
+
+@pytest.mark.parametrize(
+    ("cores", "local", "workers"), [(16, 1, 12), (64, 1, 12), (16, 2, 6), (3, 1, 2)]
+)
+def test_loader_auto_on_cuda_falls_back_to_workers_for_the_hosts_cores(
+    monkeypatch, cores, local, workers
+):
+    choice = chosen(monkeypatch, *SMALL_RUN, free_gib=1e-6, cores=cores, local=local)
+    assert choice.name == "multi" and choice.cfg.num_workers == workers
+    assert "the training split on the device would take" in choice.why
+
+
+def test_loader_auto_on_cuda_leaves_a_host_augmentation_and_a_lazy_folder_to_workers(
+    monkeypatch, tmp_path
+):
+    choice = chosen(monkeypatch, *SMALL_RUN, "augment=imagenet", "data.image_size=24")
+    assert choice.name == "multi" and "augment.train" in choice.why
+    pytest.importorskip("PIL")
+    root = mixed_image_folder(tmp_path / "images")
+    choice = chosen(monkeypatch, *MIXED, f"data.path={root}")
+    assert choice.name == "multi" and "read from disk per sample" in choice.why
+    for loader in ("single", "multi", "device"):  # the others choose for themselves
+        assert chosen(monkeypatch, *SMALL_RUN, f"loader={loader}").name == loader

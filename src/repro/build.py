@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -213,22 +214,87 @@ def _call(make: Any, group: str, *args: Any) -> Any:
         ) from err
 
 
+# loader=auto on CUDA, images read per sample: workers between these (a core per local GPU
+# less 2; 12 fed ResNet-50 from JPEGs on one H200: conf/loader/auto.yaml)
+AUTO_WORKERS = (2, 12)
+
+
+@dataclass
+class LoaderChoice:
+    """The loader a run uses (``loader=auto`` resolved): its name, its settings, and why."""
+
+    name: str  # device | multi | single
+    cfg: DictConfig  # loader.* as used
+    why: str
+
+
+def choose_loader(cfg: DictConfig, data: DataSplits, device: torch.device) -> LoaderChoice:
+    """``loader=auto``: ``device`` on CUDA when the training split is in memory, its
+    augmentation runs on the device, and the split with its augmented copy takes at most
+    ``loader.device_fraction`` of the free GPU memory; else ``multi`` (on CUDA with workers
+    for the host's cores: :data:`AUTO_WORKERS`). Any other loader is itself. The same bits
+    either way."""
+    ld = cfg.loader
+    if not ld.get("auto", False):
+        name = "device" if ld.on_device else "multi" if int(ld.num_workers) > 0 else "single"
+        return LoaderChoice(name, ld, f"loader={name}, as configured")
+    chosen = OmegaConf.to_container(ld)
+    why = _device_loader_fits(ld, data, device)
+    if why.startswith("fits"):
+        chosen.update(on_device=True, num_workers=0, pin_memory=False)
+        chosen.update(persistent_workers=False, prefetch_factor=None)
+        return LoaderChoice("device", OmegaConf.create(chosen), f"auto: {why}")
+    if device.type == "cuda":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        per_gpu = (cores or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        chosen["num_workers"] = max(AUTO_WORKERS[0], min(AUTO_WORKERS[1], per_gpu - 2))
+        why += f"; {chosen['num_workers']} workers for {per_gpu} CPU cores a GPU"
+    return LoaderChoice(
+        "multi", OmegaConf.create(chosen), f"auto: {why} ({chosen['num_workers']} workers)"
+    )
+
+
+def _device_loader_fits(ld: DictConfig, data: DataSplits, device: torch.device) -> str:
+    """ "fits: ..." when ``loader=device`` can hold this training split, else why not."""
+    if device.type != "cuda":
+        return f"multi on {device.type}"
+    split = data.train
+    if not isinstance(getattr(split, "images", None), torch.Tensor):
+        return "multi: the training split is read from disk per sample"
+    pipeline = data.train_pipeline or KeyedPipeline(None, 0)
+    if not pipeline.device_capable:
+        return f"multi: augment.train ({pipeline.name}) runs sample by sample on the host"
+    size = pipeline.size or int(split.images.shape[-1])
+    per_sample = split.images.shape[1] * size * size + split.labels[:1].numel() * 8
+    need = 2 * len(split) * per_sample  # the split and its augmented copy, each epoch
+    free, _ = torch.cuda.mem_get_info(device)
+    limit = float(ld.device_fraction) * free
+    gib = 2.0**30
+    sizes = f"{need / gib:.2f} GiB of {float(ld.device_fraction):g} x {free / gib:.1f} GiB free"
+    if need > limit:
+        return f"multi: the training split on the device would take {sizes}"
+    return f"fits: the training split and its augmented copy take {sizes}"
+
+
 def build_loader(
     cfg: DictConfig,
     data: DataSplits,
     device: torch.device,
     start_step: int = 0,
     shard: tuple[int, int] | None = None,
+    loader: DictConfig | None = None,
 ) -> torch.utils.data.DataLoader | DeviceBatches:
-    """The training micro-batches from global step ``start_step`` on (``cfg.loader``; this
+    """The training micro-batches from global step ``start_step`` on (``loader``: the
+    settings :func:`choose_loader` chose, by default those of ``cfg.loader`` resolved; this
     rank's ``shard=(first, count)`` of each step under torchrun)."""
+    loader = loader if loader is not None else choose_loader(cfg, data, device).cfg
     return make_train_loader(
         data,
         int(cfg.seed),
         int(cfg.trainer.batch_size),
         int(cfg.trainer.micro_batch_size),
-        cfg.loader,
-        pin_memory=bool(cfg.loader.pin_memory) and device.type == "cuda",
+        loader,
+        pin_memory=bool(loader.pin_memory) and device.type == "cuda",
         start_step=start_step,
         shard=shard,
         device=device,

@@ -91,6 +91,8 @@ class LoaderConfig:
     persistent_workers: bool = False
     prefetch_factor: int | None = None
     on_device: bool = False  # keep the training split on the device, augment there
+    auto: bool = False  # choose at the run's start: device where it fits on CUDA, else workers
+    device_fraction: float = 0.25  # auto: the most of the free GPU memory device may take
 
 
 @dataclass
@@ -358,6 +360,10 @@ def validate_process_settings(cfg: DictConfig) -> None:
             ld.num_workers,
             "0 with loader.on_device=true (the device loads; there are no workers)",
         )
+    if not 0 < ld.device_fraction <= 1:
+        _fail("loader.device_fraction", ld.device_fraction, "a fraction in (0, 1]")
+    if ld.auto and ld.on_device:
+        _fail("loader.on_device", ld.on_device, "false with loader=auto (auto chooses it)")
     if ld.prefetch_factor is not None and ld.prefetch_factor < 1:
         _fail("loader.prefetch_factor", ld.prefetch_factor, "null or an integer >= 1")
     if d.cpu_threads is not None and d.cpu_threads < 1:

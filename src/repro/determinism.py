@@ -287,7 +287,10 @@ def _layer3_data(report: DeterminismReport, cfg: DictConfig) -> None:
         "seeds numpy/random",
         note="from torch.initial_seed(), for third-party transforms only",
     )
-    report.add(name, "num_workers", int(cfg.loader.num_workers), note="does not change the bits")
+    if not cfg.loader.get("auto"):  # else chosen with the data: the "loader" row
+        report.add(
+            name, "num_workers", int(cfg.loader.num_workers), note="does not change the bits"
+        )
     if cfg.loader.get("on_device"):
         report.add(
             name, "loader on device", True, note="same keyed draws and bytes as the worker path"

@@ -35,7 +35,15 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from repro.build import Training, build_data, build_loader, build_training, resolve_device
+from repro.build import (
+    LoaderChoice,
+    Training,
+    build_data,
+    build_loader,
+    build_training,
+    choose_loader,
+    resolve_device,
+)
 from repro.checkpoint import (
     Checkpointer,
     RunIdentity,
@@ -126,6 +134,8 @@ def _train(
     # built before the run directory is touched: a config that cannot build changes nothing
     data = build_data(cfg, world)
     training = build_training(cfg, data, run.device)
+    chosen = choose_loader(cfg, data, run.device)  # loader=auto: the same bits whichever
+    report.add("3 data", "loader", chosen.name, note=chosen.why)
     signals.stop_before_training(run.dir)
     # rank 0 takes the directory's lock and looks at it (and refuses before writing
     # anything); every rank gets its answer and the checkpoint to resume from
@@ -140,11 +150,13 @@ def _train(
     if world.main:  # writable, with room for two checkpoints, before the first step
         check_room(run.dir, sum(v.nbytes for v in training.model.state_dict().values()))
     resumes = restore(run, training, resume) if resume else []
-    loader = build_loader(cfg, data, run.device, start_step=start, shard=(first, count))
+    loader = build_loader(
+        cfg, data, run.device, start_step=start, shard=(first, count), loader=chosen.cfg
+    )
     steps_per_epoch = loader.sampler.steps_per_epoch
     normalize = DeviceNormalizer(data, run.device, bool(t.channels_last))
     reducer = make_reducer(cfg, world)
-    describe(run, training, data, count)
+    describe(run, training, data, count, chosen)
     metric_names = check_task(training, data.val, normalize) if world.main else []
     logs = open_logs(run, training, steps_per_epoch, metric_names, resume)
     checkpoints = open_checkpoints(run, training, steps_per_epoch, resumes, resume)
@@ -207,7 +219,11 @@ def _train(
                 logs.close()  # all on disk before handing the signal over
                 preemption.stop(done, checkpoint_path(run.dir, done), run.dir)
     clock.stop()
-    summary = finish(run, training, data, checkpoints, logs, tracer, clock) if world.main else None
+    summary = (
+        finish(run, training, data, checkpoints, logs, tracer, clock, chosen)
+        if world.main
+        else None
+    )
     return broadcast_object(summary, world)
 
 
@@ -381,7 +397,7 @@ def ema_summary(training: Training) -> dict[str, Any] | None:
     return {"decay": ema.decay, "start": ema.start, "weights_sha256": ema.digest()}
 
 
-def describe(run: Run, training: Training, data: Any, count: int) -> None:
+def describe(run: Run, training: Training, data: Any, count: int, chosen: LoaderChoice) -> None:
     t, world = run.cfg.trainer, run.world
     n_params = sum(p.numel() for p in training.model.parameters())
     split = f" ({count} on each of {world.size} processes)" if world.distributed else ""
@@ -390,8 +406,10 @@ def describe(run: Run, training: Training, data: Any, count: int) -> None:
         f"model {type(training.model).__name__} ({n_params:,} parameters) on {run.device}; "
         f"{len(data.train)} train / {len(data.val)} val samples; task "
         f"{type(training.task).__name__}; batch {t.batch_size} = {k} x {t.micro_batch_size}"
-        f"{split}; {t.max_steps} steps"
+        f"{split}; {t.max_steps} steps; loader {chosen.name}"
     )
+    if run.cfg.loader.get("auto"):
+        log.info(f"loader {chosen.why}")
 
 
 def open_logs(
@@ -448,6 +466,7 @@ def finish(
     logs: TrainingLog,
     tracer: StepTracer,
     clock: Throughput,
+    chosen: LoaderChoice,
 ) -> dict[str, Any]:
     """Rank 0, after the last step: the final checkpoint next to ``summary.json``."""
     cfg = run.cfg
@@ -475,7 +494,8 @@ def finish(
         "world_size": run.world.size,
         "determinism": str(cfg.determinism.mode),
         "amp": str(cfg.amp.dtype) if cfg.amp.enabled else "off",
-        "num_workers": int(cfg.loader.num_workers),
+        "loader": chosen.name,
+        "num_workers": int(chosen.cfg.num_workers),
         "config_hash": run.identity.config_hash,
         "run_dir": str(run.dir),
         **clock.summary(),
