@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -227,7 +228,7 @@ def train_run(tmp_path):
 
 
 @pytest.fixture(scope="session")
-def traced_runs(tmp_path_factory):
+def traced_runs(tmp_path_factory, request):
     """The short traced run (40 steps, strict, main-process loader) trained once for the
     whole suite as a user would (``python train.py``), and beside it, in this process, what
     it must equal or differ from: again, with 2 loader workers, with seed 1. Read, never
@@ -235,13 +236,13 @@ def traced_runs(tmp_path_factory):
     them trains them, the others wait on a lock file and read them (about 20 s of the 2-core
     machine each saved)."""
     shared = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    if hasattr(request.config, "workerinput"):  # an xdist worker (not a pytest it started)
         shared = shared.parent  # the session's: its workers' temporary folders are inside
-    base, record = shared / "traced", shared / "traced.json"
+    record = shared / "traced.json"
     with open(shared / "traced.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not record.is_file():
-            base.mkdir(exist_ok=True)
+        if not record.is_file():  # a worker that failed to train them left no record
+            base = Path(tempfile.mkdtemp(prefix="traced-", dir=shared))
             runs = {
                 "a": run_train(base / "a", *TRACED),
                 "b": train_here(base / "b", *TRACED),

@@ -108,7 +108,7 @@ def test_confirm_reruns_the_top_trials_over_fresh_seeds(search, tmp_path, monkey
     assert all(f"- {o}" in overrides for o in trial_1) and "hparams_search" not in overrides
     # the command line: its arguments checked before anything runs, in one line
     for args, expected in (
-        (["--top", "1"], "--top 1: give 2 or more"),
+        (["--top", "1", "--", "hydra/launcher=parallel"], "--top 1: give 2 or more"),
         (["--seeds", "1"], "--seeds 1: give 2 or more"),
         (["--out", str(out_dir)], "exists and is not empty; give another --out"),
     ):
@@ -117,14 +117,35 @@ def test_confirm_reruns_the_top_trials_over_fresh_seeds(search, tmp_path, monkey
         assert len(cli.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.e2e
+def test_confirm_refuses_a_trial_whose_config_would_not_repeat(search, tmp_path):
+    """A trial whose recorded config its overrides no longer compose (a search preset that
+    set a run key, or conf/ edited since): refused before anything runs, naming the key."""
+    import shutil
+
+    from repro.errors import ReproError
+    from repro.search import confirm
+
+    copy = tmp_path / "search"
+    shutil.copytree(search, copy)
+    for config in copy.glob("*/.hydra/config.yaml"):
+        config.write_text(config.read_text().replace("momentum: 0.9", "momentum: 0.8"))
+    with pytest.raises(ReproError, match=r"compose another config than it ran \(optim.momentum\)"):
+        confirm(copy, 2, 2, tmp_path / "out", log=lambda m: None)
+    assert not (tmp_path / "out").exists()
+
+
 def test_search_presets_need_the_multirun_flag_and_their_experiment():
     with pytest.raises(ConfigError, match="add -m"):
         check_overrides(["hparams_search=convnet"], CONF_DIR, multirun=False)
     with pytest.raises(ConfigError, match="add experiment=segmentation"):
         check_overrides(["-m", "hparams_search=segmentation"], CONF_DIR, multirun=True)
-    check_overrides(
-        ["-m", "experiment=segmentation", "hparams_search=segmentation"], CONF_DIR, multirun=True
-    )
+    for args, multirun in (
+        (["-m", "experiment=segmentation", "hparams_search=segmentation"], True),
+        (["hparams_search=convnet", "--cfg", "hydra"], False),  # looks, runs nothing
+        (["-m", "hparams_search=null"], True),
+    ):
+        check_overrides(args, CONF_DIR, multirun=multirun)
 
 
 def test_a_missing_optuna_sweeper_is_one_line_naming_the_extra(monkeypatch):

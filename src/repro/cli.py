@@ -383,7 +383,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # training overrides after `--` (`repro confirm DIR --top 3 -- hydra/launcher=parallel`):
+    # argparse alone fills a trailing positional list only when no option comes before it
+    after = argv[argv.index("--") + 1 :] if "--" in argv else []
+    parser = build_parser()
+    args = parser.parse_args(argv[: len(argv) - len(after) - 1] if "--" in argv else argv)
+    if after:
+        if not hasattr(args, "overrides"):
+            parser.error(f"repro {args.command} takes no overrides after --")
+        args.overrides = [*(args.overrides or []), *after]
     try:
         status = args.func(args)
         sys.stdout.flush()  # here, where a reader that went away is caught

@@ -122,7 +122,12 @@ def per_seed(group: dict[str, Any], metric: str) -> tuple[dict[Any, float], list
     for j in group["jobs"]:
         v = j.get(metric)
         if j["status"] == "ok" and isinstance(v, (int, float)) and math.isfinite(v):
-            values.setdefault(j["seed"], float(v))
+            if j["seed"] in values:  # the group ran this seed twice (two directories' jobs)
+                left_out.append(
+                    {"seed": j["seed"], "job": j["job"], "why": "a second job of this seed"}
+                )
+                continue
+            values[j["seed"]] = float(v)
         else:
             why = j["status"] if j["status"] != "ok" else f"{metric} is {v}"
             left_out.append({"seed": j["seed"], "job": j["job"], "why": why})
@@ -220,6 +225,12 @@ def verdict(c: dict[str, Any]) -> str:
     if c["paired"] and d == 0 and c.get("sd_diff") == 0:
         same = " and the same weights" if c["same_weights"] == c["n"] else ""
         return f"{prefix}the same {c['metric']} for every seed ({how}{same})"
+    if c.get("p_value") is None:  # the same nonzero difference in every seed: no spread
+        places = _decimals(d)
+        return (
+            f"{prefix}can't tell: {'higher' if d > 0 else 'lower'} by {abs(d):.{places}f} in "
+            f"every seed ({how}), no spread to judge the next seed by; run more seeds"
+        )
     places = _decimals(d, lo, hi)
     interval = f"[{lo:.{places}f}, {hi:.{places}f}]"
     sign = c.get("signs")
@@ -232,9 +243,12 @@ def verdict(c: dict[str, Any]) -> str:
     if lo > 0 or hi < 0:
         word = "higher" if d > 0 else "lower"
         better = c.get("higher_is_better")
-        if better is not None:
+        if better is not None and not c.get("caution"):
             word += " (better)" if (d > 0) == better else " (worse)"
-        return f"{prefix}{word} by {abs(d):.{places}f} {interval}, {how} (p = {c['p_value']:.2g})"
+        return (
+            f"{prefix}{word} by {abs(d):.{places}f} {interval}, {how} "
+            f"(p = {c['p_value']:.2g}){counted}"
+        )
     n = c.get("seeds_needed")
     if n is None:
         size = "no difference in these seeds"

@@ -714,7 +714,8 @@ def check_overrides(args: list[str], conf_dir: Path, multirun: bool | None = Non
     except Exception:
         return  # a syntax error: Hydra explains it
     if not extra_search_path:
-        _check_search(overrides, conf_dir, multirun)
+        inspecting = any(a in ("--cfg", "-c", "--info", "--help", "-h") for a in args)
+        _check_search(overrides, conf_dir, multirun, inspecting)
     for o in overrides:
         key = o.key_or_group
         if key in GONE:
@@ -764,9 +765,12 @@ SEARCH_CONTROL = ("hparams_search", "hydra/sweeper", "hydra.sweeper")
 SEARCH_PLUGIN = ("hydra-optuna-sweeper", "hydra_plugins.hydra_optuna_sweeper")
 
 
-def _check_search(overrides: list[Any], conf_dir: Path, multirun: bool | None) -> None:
+def _check_search(
+    overrides: list[Any], conf_dir: Path, multirun: bool | None, inspecting: bool = False
+) -> None:
     """``hparams_search=NAME``: the sweeper's package is installed, ``-m`` is given (one run
-    would ignore the search), and a search named after a preset runs with that preset."""
+    would ignore the search; ``inspecting``: ``--cfg``, ``--info`` or ``--help`` runs
+    nothing), and a search named after a preset runs with some experiment."""
     chosen = {o.key_or_group: o for o in overrides if not o.is_delete()}
     search = chosen.get("hparams_search")
     if search is None or search.is_sweep_override() or search.value() in (None, "null"):
@@ -785,18 +789,17 @@ def _check_search(overrides: list[Any], conf_dir: Path, multirun: bool | None) -
             f"PKG={SEARCH_PLUGIN[0]}.",
             SEARCH_PLUGIN[0],
         )
-    if multirun is False:
+    if multirun is False and not inspecting:
         raise ConfigError(
             f"config error: hparams_search={name} runs a search of many runs: add -m "
             f"(python train.py -m hparams_search={name} ...)."
         )
-    experiment = chosen.get("experiment")
-    given = None if experiment is None else str(experiment.value())
-    if (conf_dir / "experiment" / f"{name}.yaml").is_file() and given != name:
+    # a preset's search without any experiment: the default run lacks the keys it searches
+    # (another experiment may be a variant of the preset's: the user's call)
+    if (conf_dir / "experiment" / f"{name}.yaml").is_file() and "experiment" not in chosen:
         raise ConfigError(
             f"config error: hparams_search={name} searches the keys of experiment={name}, "
-            f"but the run is {'the default' if given is None else 'experiment=' + given}: "
-            f"add experiment={name}."
+            f"but the run is the default one: add experiment={name}."
         )
 
 

@@ -467,6 +467,10 @@ def write_report(
     if out is None:
         stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
         out = dirs[0] if len(dirs) == 1 else Path("reports") / stamp
+        n = 1
+        while len(dirs) > 1 and out.exists():  # another report in the same second
+            n += 1
+            out = Path("reports") / f"{stamp}_{n}"
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ReproError(f"--out {out}: exists and is not a directory; give a directory.")

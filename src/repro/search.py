@@ -87,6 +87,30 @@ def top_trials(sweep_dir: Path, top: int) -> tuple[list[Trial], list[Any], str]:
     return trials, seeds, headline
 
 
+def check_the_config_repeats(trial: Trial) -> None:
+    """The trial's overrides without the search's (and its seed) must compose the config it
+    ran (``.hydra/config.yaml``): a search preset that also set run keys, or a conf/ edited
+    since, would have the re-runs train something else."""
+    from omegaconf import OmegaConf
+
+    from repro.config import compose, flatten
+
+    path = trial.job.dir / ".hydra" / "config.yaml"
+    if not path.is_file():
+        return
+    cfg = compose([*trial.overrides, f"seed={trial.job.seed}"])
+    now = flatten(OmegaConf.to_container(cfg, resolve=False, enum_to_str=True))
+    then = flatten(load_yaml(path))
+    differ = sorted(k for k in set(now) | set(then) if now.get(k) != then.get(k))
+    if differ:
+        raise ReproError(
+            f"{trial.job.dir}: its overrides, less the search's, compose another config than it "
+            f"ran ({', '.join(differ[:4])}{', ...' if len(differ) > 4 else ''}): a search preset "
+            "(conf/hparams_search/) may set only hydra.sweeper, and conf/ must be as it was; "
+            "move other keys into an experiment."
+        )
+
+
 def fresh_seeds(used: list[Any], count: int) -> list[int]:
     """The first ``count`` seeds 0, 1, 2, ... that the search did not use."""
     taken = {s for s in used if isinstance(s, int)}
@@ -118,6 +142,8 @@ def confirm(
     trials, used, headline = top_trials(sweep_dir, top)
     if len(trials) < 2:
         raise ReproError(f"{sweep_dir}: one distinct config finished; nothing to compare it with.")
+    for t in trials:
+        check_the_config_repeats(t)
     chosen = fresh_seeds(used, seeds)
     stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     out = Path(out) if out else sweep_dir / f"confirm_{stamp}"
@@ -229,11 +255,13 @@ def summary_text(report: dict[str, Any], trials: list[Trial]) -> str:
         )
     w = s.get("winner") or {}
     if w:
+        tied = "".join(f" (tied with rank {r})" for r in w.get("tied", []))
         lines += [
             "",
-            f"**Best mean over the fresh seeds: search rank {w['rank']}** ({w['mean']:.4f}).",
+            f"**Best mean over the fresh seeds: search rank {w['rank']}**{tied}, "
+            f"{w['mean']:.4f}. Each trial against the best-ranked one that ran, seed by seed:",
         ]
         for c in report.get("comparisons") or []:
             if c["metric"] == headline:
-                lines.append(f"- {c['group']} against rank 1: {c['verdict']}.")
+                lines.append(f"- {c['group']} against {c['baseline']}: {c['verdict']}.")
     return "\n".join(lines) + "\n"

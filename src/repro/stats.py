@@ -107,15 +107,12 @@ def mean_interval(values: list[float]) -> dict[str, Any]:
 
 def _test(mean_diff: float, se: float, df: float) -> dict[str, Any]:
     """t statistic, two-sided p and the interval of a difference with standard error
-    ``se``. A difference with no spread at all (``se`` 0) is exact: p is 0, or 1 for no
-    difference; its interval is the point."""
+    ``se``. Values with no spread at all (``se`` 0) give no test: t and p are None (the
+    same difference in every seed says nothing of the next seed's), the interval the
+    point."""
     half = _critical(df) * se
-    if se > 0:
-        t = mean_diff / se
-        p = t_two_sided_p(t, df)
-    else:
-        t = math.copysign(math.inf, mean_diff) if mean_diff else 0.0
-        p = 0.0 if mean_diff else 1.0
+    t = mean_diff / se if se > 0 else None
+    p = t_two_sided_p(t, df) if t is not None else None
     return {"t": t, "df": df, "p_value": p, "ci95": [mean_diff - half, mean_diff + half]}
 
 
