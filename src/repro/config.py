@@ -734,6 +734,8 @@ def check_overrides(args: list[str], conf_dir: Path, multirun: bool | None = Non
             for v in values:
                 chosen = v if isinstance(v, list) else [v]  # logger=[csv,tensorboard]
                 for one in chosen:
+                    if one is None and key in _optional_groups(conf_dir):
+                        continue  # null: none of an optional group (experiment=null)
                     if str(one) not in options:
                         raise ConfigError(
                             f"config error: {key}={one} is not an option; allowed: "
@@ -757,6 +759,15 @@ def check_overrides(args: list[str], conf_dir: Path, multirun: bool | None = Non
             ok, phrase = _accepts(tp, v)
             if not ok:
                 raise ConfigError(f"config error: {key}={v!r} is invalid; allowed: {phrase}.")
+
+
+def _optional_groups(conf_dir: Path) -> set[str]:
+    """The groups ``train.yaml``'s defaults list leaves empty (``- experiment: null``)."""
+    try:
+        text = (conf_dir / "train.yaml").read_text()
+    except OSError:
+        return set()
+    return set(re.findall(r"^\s*-\s*(?:optional\s+)?([\w/]+):\s*null\b", text, re.MULTILINE))
 
 
 # Overrides that choose how a sweep picks its jobs, not what a job computes: a job of a search

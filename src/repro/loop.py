@@ -150,9 +150,7 @@ def _train(
     if world.main:  # writable, with room for two checkpoints, before the first step
         check_room(run.dir, sum(v.nbytes for v in training.model.state_dict().values()))
     resumes = restore(run, training, resume) if resume else []
-    loader = build_loader(
-        cfg, data, run.device, start_step=start, shard=(first, count), loader=chosen.cfg
-    )
+    loader = build_loader(cfg, data, run.device, start, (first, count), chosen.cfg)
     steps_per_epoch = loader.sampler.steps_per_epoch
     normalize = DeviceNormalizer(data, run.device, bool(t.channels_last))
     reducer = make_reducer(cfg, world)
@@ -219,12 +217,8 @@ def _train(
                 logs.close()  # all on disk before handing the signal over
                 preemption.stop(done, checkpoint_path(run.dir, done), run.dir)
     clock.stop()
-    summary = (
-        finish(run, training, data, checkpoints, logs, tracer, clock, chosen)
-        if world.main
-        else None
-    )
-    return broadcast_object(summary, world)
+    done_with = (run, training, data, checkpoints, logs, tracer, clock, chosen)
+    return broadcast_object(finish(*done_with) if world.main else None, world)
 
 
 @dataclass(frozen=True)
