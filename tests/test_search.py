@@ -80,6 +80,8 @@ def test_a_trial_rerun_alone_gives_its_bits(search):
     assert out.returncode == 0, out.stdout + out.stderr
     weights = summaries(search)["1_seed=0"]["weights_sha256"]
     assert out.stdout.splitlines()[0] == f"identical: 6 steps, weights {weights}"
+    (rerun_dir,) = (job / "rerun").iterdir()  # by default beside the job, in rerun/<time>
+    assert json.loads((rerun_dir / "summary.json").read_text())["weights_sha256"] == weights
 
 
 @pytest.mark.e2e

@@ -1,6 +1,7 @@
 """Seed sweeps: `repro report` (table, mean, SD, t interval, outliers, failed jobs; groups
 and directories compared seed by seed), the parallel launcher preset (same bits as
-sequential), `repro rerun` (same bits alone)."""
+sequential). `repro rerun` (same bits alone) is tested on a search's trial, in
+test_search.py: the same command, with the search's overrides to leave out."""
 
 import json
 import math
@@ -132,17 +133,6 @@ def test_parallel_launcher_gives_the_sequential_bits(sequential, parallel):
     parallel, reference = digests(parallel), digests(sequential)
     assert sorted(parallel) == ["0_seed=0", "1_seed=1"]
     assert parallel == {name: reference[name] for name in parallel}
-
-
-@pytest.mark.e2e
-def test_rerun_one_job_alone_gives_its_bits(sequential):
-    job = next(sequential.glob("4_*"))
-    out = repro("rerun", str(job))
-    assert out.returncode == 0, out.stdout + out.stderr
-    weights = json.loads((job / "summary.json").read_text())["weights_sha256"]
-    assert out.stdout.splitlines()[0] == f"identical: 6 steps, weights {weights}"
-    (rerun_dir,) = (job / "rerun").iterdir()
-    assert json.loads((rerun_dir / "summary.json").read_text())["weights_sha256"] == weights
 
 
 @pytest.mark.e2e
