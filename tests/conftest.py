@@ -77,6 +77,14 @@ SHORT = ["trainer.max_steps=40", "trainer.eval_every=40", "trainer.log_every=10"
 SMALL_DATA = ["data.train_size=1024", "data.val_size=128"]
 # The traced short run several test files read (trace digests every 10 steps)
 TRACED = [*SHORT, "trainer.trace_every=10", *SMALL_DATA, "model.width=16"]
+# A sweep's job at its smallest (test_sweep, test_search): 6 steps, 512 samples, width 8
+TINY = [
+    "trainer.max_steps=6",
+    "trainer.eval_every=3",
+    "data.train_size=512",
+    "data.val_size=128",
+    "model.width=8",
+]
 
 
 @dataclass
@@ -126,6 +134,17 @@ def with_tests_on_path(**extra: str) -> dict[str, str]:
     """:func:`user_env` with tests/ importable (the test models and plug-ins live there)."""
     path = os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
     return user_env(PYTHONPATH=path, **extra)
+
+
+def repro(*args: object, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``python -m repro ARGS`` as a user runs it (forked: tests/launch.py), output captured."""
+    return launch.run(
+        [sys.executable, "-m", "repro", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=user_env(),
+        cwd=cwd,
+    )
 
 
 def train_cmd(*overrides: str, nproc: int | None = None) -> list[str]:

@@ -7,14 +7,7 @@ import sys
 
 import pytest
 
-import launch
-from conftest import user_env
-
-
-def repro(*args):
-    return launch.run(
-        [sys.executable, "-m", "repro", *args], capture_output=True, text=True, env=user_env()
-    )
+from conftest import repro, user_env
 
 
 @pytest.mark.e2e

@@ -7,23 +7,15 @@ import math
 import shutil
 import struct
 import subprocess
-import sys
 
 import pytest
 import torch
 
-import launch
-from conftest import SHORT, SMALL_DATA, train_here, user_env
+from conftest import SHORT, SMALL_DATA, repro, train_here
 from repro.checkpoint import checkpoint_path
 from repro.compare import compare_dirs
 from repro.fingerprint import ISA_FLAG, git_state
 from repro.trace import BackgroundDigests, state_digests
-
-
-def repro(*args):
-    return launch.run(
-        [sys.executable, "-m", "repro", *args], capture_output=True, text=True, env=user_env()
-    )
 
 
 def bits(x: float) -> bytes:

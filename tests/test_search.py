@@ -8,27 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 import launch
-from conftest import CONF_DIR, train_cmd, user_env
+from conftest import CONF_DIR, TINY, repro, train_cmd, user_env
 from repro.config import check_overrides
 from repro.errors import ConfigError, MissingPackage
-
-TINY = [
-    "trainer.max_steps=6",
-    "trainer.eval_every=3",
-    "data.train_size=512",
-    "data.val_size=128",
-    "model.width=8",
-]
-
-
-def repro(*args, cwd=None):
-    return launch.run(
-        [launch.sys.executable, "-m", "repro", *args],
-        capture_output=True,
-        text=True,
-        env=user_env(),
-        cwd=cwd,
-    )
 
 
 @pytest.fixture(scope="module")

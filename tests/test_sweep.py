@@ -15,17 +15,9 @@ import pytest
 import scipy.stats as scipy_stats  # the dev extra's reference statistics
 
 import launch
-from conftest import ROOT, train_cmd, user_env
+from conftest import ROOT, TINY, repro, train_cmd, user_env
 from repro.report import outliers, write_report
 from repro.stats import mean_interval, t_quantile
-
-TINY = [
-    "trainer.max_steps=6",
-    "trainer.eval_every=3",
-    "data.train_size=512",
-    "data.val_size=128",
-    "model.width=8",
-]
 
 
 def sweep(cwd, *overrides, real=False):
@@ -46,16 +38,6 @@ def sweep(cwd, *overrides, real=False):
     )
     (sweep_dir,) = (cwd / "multirun").glob("*/*/")
     return proc, sweep_dir
-
-
-def repro(*args, cwd=None):
-    return launch.run(
-        [sys.executable, "-m", "repro", *args],
-        capture_output=True,
-        text=True,
-        env=user_env(),
-        cwd=cwd,
-    )
 
 
 def digests(sweep_dir):
