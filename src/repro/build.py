@@ -249,9 +249,9 @@ def choose_loader(cfg: DictConfig, data: DataSplits, device: torch.device) -> Lo
         per_gpu = (cores or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         chosen["num_workers"] = max(AUTO_WORKERS[0], min(AUTO_WORKERS[1], per_gpu - 2))
         why += f"; {chosen['num_workers']} workers for {per_gpu} CPU cores a GPU"
-    return LoaderChoice(
-        "multi", OmegaConf.create(chosen), f"auto: {why} ({chosen['num_workers']} workers)"
-    )
+    else:
+        why += f" ({chosen['num_workers']} workers)"
+    return LoaderChoice("multi", OmegaConf.create(chosen), f"auto: {why}")
 
 
 def _device_loader_fits(ld: DictConfig, data: DataSplits, device: torch.device) -> str:

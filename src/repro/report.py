@@ -32,7 +32,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from repro.comparisons import compare_groups, format_comparisons
+from repro.comparisons import compare_groups, format_comparisons, plot_comparison
 from repro.config import RUN_CONTROL
 from repro.errors import ReproError
 from repro.files import ERROR_FILE, EVAL_FILE, METRICS_FILE, SUMMARY_FILE, finite_or_null
@@ -259,26 +259,26 @@ def build_report(
     on the headline metric and ``metrics``."""
     dirs = [Path(d) for d in ([dirs] if isinstance(dirs, (str, Path)) else dirs)]
     jobs = [j for i, d in enumerate(dirs) for j in find_jobs(d, source=i)]
-    names = labels(dirs)
+    dir_labels = labels(dirs)
     groups: dict[tuple[int, tuple[str, ...]], list[Job]] = {}
     for j in jobs:
         groups.setdefault((j.source, j.group), []).append(j)
     out_groups = []
     for (source, key), members in groups.items():  # in the order of their first job
         ok = [j for j in members if j.status == "ok"]
-        names_ = (ok or members)[0].metrics  # the group's task: headline first
-        stats_ = {}
-        for m in names_:
+        metric_names = (ok or members)[0].metrics  # the group's task: headline first
+        per_metric = {}
+        for m in metric_names:
             values = [j.summary[m] for j in ok if isinstance(j.summary.get(m), (int, float))]
             values = [v for v in values if math.isfinite(v)]
             stats = mean_interval(values)
             stats["outliers"] = outliers(ok, m, stats)
-            stats_[m] = stats
+            per_metric[m] = stats
         first = (ok or members)[0].summary
         out_groups.append(
             {
                 "source": str(dirs[source]),
-                "label": names[source],
+                "label": dir_labels[source],
                 "overrides": list(key),
                 "jobs": [
                     {
@@ -287,14 +287,14 @@ def build_report(
                         "seed": j.seed,
                         "status": j.status,
                         "error": j.error,
-                        **{m: j.summary.get(m) for m in (*names_, "steps", "weights_sha256")},
+                        **{m: j.summary.get(m) for m in (*metric_names, "steps", "weights_sha256")},
                         "rerun": j.rerun_command(),
                     }
                     for j in members
                 ],
-                "headline": names_[0],
+                "headline": metric_names[0],
                 "higher_is_better": first.get("higher_is_better"),
-                "metrics": stats_,
+                "metrics": per_metric,
                 "distinct_weights": len({j.summary["weights_sha256"] for j in ok}),
             }
         )
@@ -402,8 +402,6 @@ def plot(report: dict[str, Any], out_dir: Path) -> tuple[dict[int, str], str | N
         import matplotlib.pyplot as plt
     except ImportError:
         return {}, "matplotlib is not installed (pip install -e '.[report]'): no figure"
-    from repro.comparisons import plot_comparison
-
     figures: dict[int, str] = {}
     for i, g in enumerate(report["groups"]):
         members = [j for j in g["jobs"] if j["status"] == "ok"]
