@@ -235,8 +235,9 @@ def verdict(c: dict[str, Any]) -> str:
     interval = f"[{lo:.{places}f}, {hi:.{places}f}]"
     sign = c.get("signs")
     counted = (
-        f"; higher in {sign['higher']} of {c['n']} seeds, lower in {sign['lower']} (sign "
-        f"test p = {sign['p_value']:.2g})"
+        f"; higher in {sign['higher']} of {c['n']} seeds, lower in {sign['lower']}"
+        + (f", the same in {sign['same']}" if sign["same"] else "")
+        + f" (sign test p = {sign['p_value']:.2g})"
         if sign
         else ""
     )
