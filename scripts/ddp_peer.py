@@ -34,6 +34,7 @@ from repro.build import (
     build_optimizer,
     build_schedule,
     build_task,
+    uses_channels_last,
 )
 from repro.config import compose
 from repro.data import DeviceNormalizer, loading
@@ -79,7 +80,8 @@ def main() -> None:
     optimizer = build_optimizer(cfg, model)
     schedule = build_schedule(cfg, optimizer)
     loader = build_loader(cfg, splits, device, shard=(first, count))
-    normalize = DeviceNormalizer(splits, device)
+    channels_last = uses_channels_last(t.channels_last, model, device)  # as the template's
+    normalize = DeviceNormalizer(splits, device, channels_last)
     precision = Precision(cfg.amp, device)
     with loading(loader) as batches:  # its workers stopped on the way out, error or not
         warm, marks = 10, {}

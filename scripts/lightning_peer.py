@@ -27,7 +27,14 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from repro.build import build_data, build_model, build_optimizer, build_schedule, build_task
+from repro.build import (
+    build_data,
+    build_model,
+    build_optimizer,
+    build_schedule,
+    build_task,
+    uses_channels_last,
+)
 from repro.config import compose
 from repro.data import CROP_PAD, IGNORE, DeviceNormalizer, crop_flip_batch
 from repro.trace import state_dict_sha256
@@ -85,6 +92,8 @@ def main() -> None:
     L.seed_everything(int(cfg.seed), workers=True)
     splits = build_data(cfg)
     model = build_model(cfg, splits, torch.device("cpu"))
+    channels_last = uses_channels_last(t.channels_last, model, device)  # as the template's
+    model = model.to(memory_format=torch.channels_last) if channels_last else model
     task = build_task(cfg, splits)
     workers = int(cfg.loader.num_workers)
     loader = DataLoader(
@@ -106,7 +115,7 @@ def main() -> None:
 
         def training_step(self, batch, batch_idx):
             if self.normalize is None:
-                self.normalize = DeviceNormalizer(splits, self.device)
+                self.normalize = DeviceNormalizer(splits, self.device, channels_last)
             images, targets = self.normalize(*batch)
             return task.loss(self.model(images), targets) / len(targets)  # the mean
 

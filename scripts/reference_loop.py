@@ -1,12 +1,14 @@
 """The loop an expert writes by hand, as the peer of the template's strict mode on one GPU.
 
-The same model class, optimizer, schedule, loss, precision and batch as the template's
+The same model class, optimizer, schedule, loss (the task's: cross-entropy, or the
+segmentation task's cross-entropy + soft Dice), precision and batch as the template's
 config, built by the template's own builders; the training split on the GPU; a random crop
-and flip per sample drawn on the GPU (one gather, as the template's); deterministic
-algorithms on, channels_last and optionally ``torch.compile`` (Inductor's deterministic
-mode on). Nothing else: no trace, no checkpoints, no keyed randomness, no evaluation, no
-check for a loss that is not finite. ``scripts/benchmark.py --reference`` runs it beside
-the template; its weights digest shows it repeats too.
+and flip per sample drawn on the GPU (one gather, as the template's; a mask moves with its
+image); deterministic algorithms on, channels_last and optionally ``torch.compile``
+(Inductor's deterministic mode on). Nothing else: no trace, no checkpoints, no keyed
+randomness, no evaluation, no check for a loss that is not finite.
+``scripts/benchmark.py --reference`` runs it beside the template; its weights digest shows
+it repeats too.
 """
 
 from __future__ import annotations
@@ -16,11 +18,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from repro.build import build_data, build_model, build_optimizer, build_schedule
+from repro.build import build_data, build_model, build_optimizer, build_schedule, build_task
 from repro.config import compose
-from repro.data import CROP_PAD, crop_flip_batch
+from repro.data import CROP_PAD, IGNORE, crop_flip_batch
 from repro.trace import state_dict_sha256
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,6 +51,7 @@ def reference_run(
 
         inductor.deterministic = True
         model.compile(dynamic=False)
+    task = build_task(cfg, splits)
     optimizer = build_optimizer(cfg, model)
     schedule = build_schedule(cfg, optimizer)
     images, labels = splits.train.images.to(device), splits.train.labels.to(device)
@@ -62,13 +64,16 @@ def reference_run(
         index = torch.randint(0, len(images), (batch,), device=device, generator=generator)
         offsets = torch.randint(0, 2 * CROP_PAD + 1, (batch, 2), device=device, generator=generator)
         flips = torch.randint(0, 2, (batch, 1), device=device, generator=generator)
-        x = crop_flip_batch(images[index], torch.cat([offsets, flips], 1))
+        params = torch.cat([offsets, flips], 1)
+        x = crop_flip_batch(images[index], params)
         x = ((x.float() / 255 - mean) / std).contiguous(memory_format=torch.channels_last)
         y = labels[index]
+        if y.dim() == 3:  # masks: the image's crop and flip, the border not scored
+            y = crop_flip_batch(y[:, None], params, fill=IGNORE)[:, 0]
         for k in range(0, batch, micro):  # gradient accumulation, as the template's K
             with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
                 out = model(x[k : k + micro])
-            loss = F.cross_entropy(out.float(), y[k : k + micro], reduction="sum") / batch
+            loss = task.loss(out.float(), y[k : k + micro].long()) / batch  # the sum, over B
             loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -89,12 +89,56 @@ def test_a_compiled_run_resumes_exactly_and_an_eager_one_cannot_resume_it(tmp_pa
 
 
 @pytest.mark.e2e
-def test_channels_last_repeats_with_any_loader_and_is_recorded(tmp_path):
+def test_channels_last_repeats_with_any_loader_and_is_recorded(eager, tmp_path):
     nhwc = [*TINY, "trainer.channels_last=true"]
     single = train_here(tmp_path / "single", *nhwc, "loader=single")
     on_device = train_here(tmp_path / "device", *nhwc, "loader=device")
     assert single.summary["weights_sha256"] == on_device.summary["weights_sha256"]
     assert single.entry("memory format")["value"] == "channels_last"
+    assert single.summary["channels_last"] is True
+    # the default, auto, is contiguous on a CPU: a resume across formats is refused
+    differ = r"trainer.channels_last: True \(checkpoint\) vs False \(now\)"
+    with pytest.raises(CheckpointError, match=differ):
+        train_here(tmp_path / "auto", *TINY, f"trainer.resume={single.dir}")
+
+
+@pytest.mark.e2e
+def test_channels_last_auto_is_recorded_as_the_format_it_chose(eager):
+    """auto on a CPU builds a contiguous model, and the run records false, not auto: its
+    config (and hash) is that of trainer.channels_last=false, which gives the same bits."""
+    from repro.config import compose, config_hash
+
+    assert compose(TINY).trainer.channels_last == "auto"  # the default
+    assert eager.env["config"]["trainer"]["channels_last"] is False
+    assert eager.summary["channels_last"] is False
+    assert eager.entry("memory format")["value"] == "contiguous"
+    assert eager.entry("memory format")["note"] == "auto: not on CUDA"
+    assert eager.summary["config_hash"] == config_hash(
+        compose([*TINY, "loader=single", "trainer.channels_last=false"])  # train_here's loader
+    )
+
+
+def test_channels_last_auto_is_on_for_cuda_runs_of_models_with_2d_convolutions():
+    from repro.build import memory_format_row, uses_channels_last
+
+    conv, mlp = TinyNet(num_classes=3), torch.nn.Sequential(torch.nn.Linear(4, 3))
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # the device object: no GPU needed
+    assert uses_channels_last("auto", conv, cuda) is True
+    assert uses_channels_last("auto", conv, cpu) is False
+    assert uses_channels_last("auto", mlp, cuda) is False
+    assert (
+        uses_channels_last(True, mlp, cpu) is True
+        and uses_channels_last(False, conv, cuda) is False
+    )
+    assert memory_format_row("auto", True, cuda)[1].startswith("auto: a CUDA run of a model")
+    assert memory_format_row("auto", False, cuda) == ("contiguous", "auto: no 2-D convolution")
+    assert memory_format_row(False, False, cuda) == ("contiguous", "")
+
+
+def test_channels_last_takes_auto_true_or_false(tmp_path):
+    with pytest.raises(ConfigError, match=r"trainer.channels_last='yes' is invalid; allowed: auto"):
+        train_here(tmp_path / "run", *TINY, "trainer.channels_last=yes")
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])

@@ -35,16 +35,29 @@ def test_strict_on_cuda_twice_and_with_workers_is_identical(train_run):
         assert result.identical and result.lines[0].startswith("identical: 40 steps")
 
 
-def test_the_default_loader_puts_the_split_on_the_gpu_with_the_worker_loaders_bits(train_run):
-    """loader=auto (the default; train_run picks single unless told) on CUDA: the split fits,
-    so it is loader=device, and gives loader=multi's bits."""
+def test_the_defaults_on_cuda_put_the_split_on_the_gpu_and_the_model_in_channels_last(train_run):
+    """loader=auto and trainer.channels_last=auto (the defaults; train_run picks loader=single
+    unless told) on CUDA: the split fits, so it is loader=device; the ConvNet has 2-D
+    convolutions, so channels_last. The bits are those of loader=multi with channels_last
+    set; the run records true, not auto; a contiguous run's checkpoint does not resume it."""
     auto = train_run("auto", *SHORT, "device=cuda", "loader=auto")
-    multi = train_run("multi", *SHORT, "device=cuda", "loader=multi")
+    multi = train_run("multi", *SHORT, "device=cuda", "loader=multi", "trainer.channels_last=true")
     assert (auto.summary["loader"], multi.summary["loader"]) == ("device", "multi")
     assert auto.summary["num_workers"] == 0 and multi.summary["num_workers"] == 2
     assert auto.entry("loader")["note"].startswith("auto: fits: the training split")
     assert auto.summary["weights_sha256"] == multi.summary["weights_sha256"]
     assert auto.losses == multi.losses
+    assert auto.summary["channels_last"] is True
+    assert auto.env["config"]["trainer"]["channels_last"] is True
+    assert auto.entry("memory format")["value"] == "channels_last"
+    assert auto.entry("memory format")["note"].startswith("auto: a CUDA run of a model with 2-D")
+    contiguous = train_run("contiguous", *SHORT, "device=cuda", "trainer.channels_last=false")
+    assert contiguous.entry("memory format")["value"] == "contiguous"
+    refused = train_run(
+        "resumed", *SHORT, "device=cuda", f"trainer.resume={contiguous.dir}", check=False
+    )
+    assert refused.proc.returncode != 0
+    assert "trainer.channels_last: False (checkpoint) vs True (now)" in refused.output
 
 
 NAN_FILL = "determinism.fill_uninitialized_memory=true"

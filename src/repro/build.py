@@ -18,6 +18,7 @@ The loop, ``repro doctor`` and the scripts build through here, never through the
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import logging
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from torch import nn
 
 from repro.config import LOOP_KEYS, locate
@@ -160,11 +161,45 @@ def build_model(cfg: DictConfig, data: DataSplits, device: torch.device) -> nn.M
             "torch.nn.Module; point it at a model class or a function that returns one."
         )
     t = cfg.get("trainer") or {}
-    model = model.to(device, memory_format=_memory_format(bool(t.get("channels_last", False))))
+    channels_last = uses_channels_last(t.get("channels_last", False), model, device)
+    model = model.to(device, memory_format=_memory_format(channels_last))
     mode = str(t.get("compile", "off"))
     if mode != "off":  # in place: the state dict keeps its keys
         model.compile(mode=None if mode == "default" else mode, dynamic=False)
     return model
+
+
+def uses_channels_last(setting: Any, model: nn.Module, device: torch.device) -> bool:
+    """``trainer.channels_last``: true or false as set; ``auto``: on for a CUDA run of a
+    model with 2-D convolutions (cuDNN's NHWC kernels: 1.26x on the ResNet-18 preset on an
+    H200, docs/speed.md), off elsewhere: on a CPU, and for a model without a Conv2d, whose
+    kernels the format would not change. Another format is other kernels, other bits: the
+    value chosen is recorded in the run's config before its hash (:meth:`Run.resolved`)."""
+    if setting == "auto":
+        return device.type == "cuda" and any(isinstance(m, nn.Conv2d) for m in model.modules())
+    return bool(setting)
+
+
+def record_channels_last(cfg: DictConfig, channels_last: bool) -> DictConfig:
+    """``cfg`` with ``trainer.channels_last=auto`` replaced by the format the model was built
+    in (a copy; ``cfg`` itself when it names one): what a run records, hashes and compares
+    on a resume, so an ``auto`` run and one that set the same format are one config."""
+    if cfg.trainer.channels_last != "auto":
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    with read_write(cfg), open_dict(cfg):
+        cfg.trainer.channels_last = channels_last
+    return cfg
+
+
+def memory_format_row(setting: Any, channels_last: bool, device: torch.device) -> tuple[str, str]:
+    """The determinism report's value and note for the memory format a model was built in."""
+    value = "channels_last" if channels_last else "contiguous"
+    if setting != "auto":
+        return value, "model and inputs; the two formats use other kernels" if channels_last else ""
+    if channels_last:
+        return value, "auto: a CUDA run of a model with 2-D convolutions; other kernels, other bits"
+    return value, "auto: not on CUDA" if device.type != "cuda" else "auto: no 2-D convolution"
 
 
 def _memory_format(channels_last: bool) -> torch.memory_format:
@@ -331,6 +366,7 @@ class Training:
     batch_size: int  # the global batch B: each micro-batch's summed loss is divided by it
     clip_grad_norm: float | None = None  # optim.clip_grad_norm: the global norm's limit
     ema: WeightAverage | None = None  # trainer.ema: the weights evaluations see
+    channels_last: bool = False  # the model's memory format, so the inputs' (trainer.channels_last)
 
     def evaluated_weights(self) -> AbstractContextManager:
         """Inside: the weights evaluations see -- the average with ``trainer.ema``, else the
@@ -358,6 +394,7 @@ def build_training(cfg: DictConfig, data: DataSplits, device: torch.device) -> T
         batch_size=int(cfg.trainer.batch_size),
         clip_grad_norm=_optional_float(cfg.optim.get("clip_grad_norm")),
         ema=_weight_average(cfg.trainer.ema, model),
+        channels_last=uses_channels_last(cfg.trainer.channels_last, model, device),
     )
 
 

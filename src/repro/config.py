@@ -129,7 +129,7 @@ class TrainerConfig:
     allow_existing_dir: bool = False  # a non-empty directory that is no run (never overwritten)
     on_nonfinite: str = "stop"  # stop | continue: a loss or gradient norm that is inf or nan
     compile: str = "off"  # off | default | max-autotune-no-cudagraphs: torch.compile the model
-    channels_last: bool = False  # model and inputs in channels_last memory format
+    channels_last: Any = "auto"  # auto | true | false: model and inputs in channels_last
     trace: bool = True  # write trace.jsonl (repro compare reads it)
     trace_every: int = 50  # digest every state-dict tensor every N steps (0: first/last only)
     ema: EmaConfig = field(default_factory=EmaConfig)  # evaluate an average of the weights
@@ -331,6 +331,8 @@ def _validate_trainer(t: DictConfig) -> None:
         )
     if t.compile not in COMPILE_MODES:
         _fail("trainer.compile", t.compile, " or ".join(COMPILE_MODES))
+    if not (isinstance(t.channels_last, bool) or t.channels_last == "auto"):
+        _fail("trainer.channels_last", t.channels_last, "auto, true or false")
     if t.trace_every < 0:
         _fail("trainer.trace_every", t.trace_every, "an integer >= 0 (0: initial and final only)")
     if t.ema.decay is not None and not 0 < t.ema.decay < 1:

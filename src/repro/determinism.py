@@ -99,9 +99,13 @@ class DeterminismReport:
         verified: bool | None = None,
         note: str = "",
     ) -> None:
+        """A row, after the last of its layer (a row the run adds once the model and data are
+        built, the loader's, goes with its layer's)."""
         if verified is None and requested is not None:
             verified = value == requested
-        self.entries.append(Entry(layer, name, value, requested, verified, note))
+        at = max((i + 1 for i, e in enumerate(self.entries) if e.layer == layer), default=None)
+        entry = Entry(layer, name, value, requested, verified, note)
+        self.entries.insert(len(self.entries) if at is None else at, entry)
 
     @property
     def failures(self) -> list[Entry]:
@@ -321,12 +325,6 @@ def _layer4_ops(report: DeterminismReport, cfg: DictConfig, device: torch.device
         note="static shapes; compiled and eager kernels differ in the last bits"
         if compiled
         else "",
-    )
-    report.add(
-        name,
-        "memory format",
-        "channels_last" if t.channels_last else "contiguous",
-        note="model and inputs; the two formats use other kernels" if t.channels_last else "",
     )
     k = int(cfg.trainer.batch_size) // int(cfg.trainer.micro_batch_size)
     report.add(

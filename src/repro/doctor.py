@@ -44,7 +44,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from repro.build import Precision, Training, build_data, build_model, build_task, resolve_device
+from repro.build import (
+    Precision,
+    Training,
+    build_data,
+    build_model,
+    build_task,
+    resolve_device,
+    uses_channels_last,
+)
 from repro.data import DataSplits, DeviceNormalizer, make_train_loader
 from repro.determinism import flags_restored
 from repro.errors import DeterminismError
@@ -377,8 +385,9 @@ def _loss_op_error(logits: torch.Tensor, labels: torch.Tensor, loss_fn: Callable
     return None
 
 
-def first_batch(cfg: DictConfig, splits: DataSplits, device: torch.device):
-    """Micro-batch 0 of step 0, as the training loop sees it (augmented, normalised)."""
+def first_batch(cfg: DictConfig, splits: DataSplits, device: torch.device, model: nn.Module):
+    """Micro-batch 0 of step 0, as the training loop sees it (augmented, normalised, in the
+    model's memory format)."""
     loader_cfg = OmegaConf.create(
         {
             "num_workers": 0,
@@ -392,7 +401,8 @@ def first_batch(cfg: DictConfig, splits: DataSplits, device: torch.device):
         splits, int(cfg.seed), int(t.batch_size), int(t.micro_batch_size), loader_cfg, False
     )
     images, labels = next(iter(loader))
-    return DeviceNormalizer(splits, device)(images, labels)
+    channels_last = uses_channels_last(t.channels_last, model, device)
+    return DeviceNormalizer(splits, device, channels_last)(images, labels)
 
 
 def run_doctor(cfg: DictConfig, repeats: int = 4, log: Callable[[str], None] = print):
@@ -407,7 +417,7 @@ def run_doctor(cfg: DictConfig, repeats: int = 4, log: Callable[[str], None] = p
     model = build_model(cfg, splits, device)
     model.train()
     loss_fn = build_task(cfg, splits).loss
-    images, labels = first_batch(cfg, splits, device)
+    images, labels = first_batch(cfg, splits, device, model)
     autocast = Precision(cfg.amp, device).autocast
 
     n_modules = sum(1 for _ in model.modules())
@@ -658,7 +668,7 @@ def run_cost(cfg: DictConfig, repeats: int = 10, log: Callable[[str], None] = pr
     model = build_model(cfg, splits, device)
     model.train()
     task = build_task(cfg, splits)
-    images, labels = first_batch(cfg, splits, device)
+    images, labels = first_batch(cfg, splits, device, model)
     autocast = Precision(cfg.amp, device).autocast
     state = {k: v.clone() for k, v in model.state_dict().items()}
     costs = []

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from repro.build import Training, build_data, build_training
+from repro.build import Training, build_data, build_training, record_channels_last
 from repro.checkpoint import (
     cannot_restore,
     evaluation_mismatches,
@@ -71,9 +71,8 @@ def evaluate_checkpoint(
     state = loaded.state
     # another machine or version than the checkpoint's: the bits may differ from
     # trainer.test's (the metrics are still this machine's, deterministic)
-    differences = settings_differ(state, cfg, device, force)
-    training = restored(cfg, checkpoint, state, device, data)
-    normalize = DeviceNormalizer(data, device, bool(cfg.trainer.channels_last))
+    training, differences = restored(cfg, checkpoint, state, device, data, force)
+    normalize = DeviceNormalizer(data, device, training.channels_last)
     metrics = evaluate(training, held_out, normalize, int(cfg.trainer.eval_batch_size))
     return {
         "split": split,
@@ -91,17 +90,23 @@ def restored(
     state: dict[str, Any],
     device: torch.device,
     data: DataSplits,
-) -> Training:
+    force: bool = False,
+) -> tuple[Training, dict[str, list[str]]]:
     """The run's model (and weight average) rebuilt from ``cfg`` with the weights of
-    ``state``, the loaded ``checkpoint``."""
+    ``state``, the loaded ``checkpoint``; and what differs (:func:`settings_differ`, which
+    refuses a config that would change the result, unless ``force``). The model is built
+    first: ``trainer.channels_last=auto`` is compared as the format it chose, as the run
+    recorded it."""
     training = build_training(cfg, data, device)
+    cfg = record_channels_last(cfg, training.channels_last)
+    differences = settings_differ(state, cfg, device, force)
     wrong = cannot_restore(training, state)
     if wrong:
         raise CheckpointError(f"{checkpoint}: {wrong}; it is not this run's model.")
     training.model.load_state_dict(state["model"])
     if training.ema is not None:
         training.ema.load_state_dict(state.get("ema"), checkpoint)
-    return training
+    return training, differences
 
 
 def settings_differ(
@@ -153,11 +158,10 @@ def predict(
         raise ConfigError(f"{inputs}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))}).")
     data = build_data(cfg)  # its evaluation pipeline and normalisation statistics
     state = load_checkpoint(checkpoint, map_location=device)
-    differences = settings_differ(state, cfg, device, force)  # as evaluate's
+    training, differences = restored(cfg, checkpoint, state, device, data, force)
     for difference in differences.get("config_differs", []):  # --force: said, then on
         log.warning(f"predict --force: {difference} (the bytes may differ from the run's)")
-    training = restored(cfg, checkpoint, state, device, data)
-    normalize = DeviceNormalizer(data, device, bool(cfg.trainer.channels_last))
+    normalize = DeviceNormalizer(data, device, training.channels_last)
     names = [str(p.relative_to(inputs)) for p in files]
     batch = int(cfg.trainer.eval_batch_size)
     results: list[torch.Tensor] = []

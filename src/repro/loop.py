@@ -22,6 +22,7 @@ Each concern has its own module; this one only puts them in order:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -42,6 +43,8 @@ from repro.build import (
     build_loader,
     build_training,
     choose_loader,
+    memory_format_row,
+    record_channels_last,
     resolve_device,
 )
 from repro.checkpoint import (
@@ -134,6 +137,8 @@ def _train(
     # built before the run directory is touched: a config that cannot build changes nothing
     data = build_data(cfg, world)
     training = build_training(cfg, data, run.device)
+    run = run.resolved(training.channels_last, report)  # channels_last=auto: what it chose
+    cfg, t = run.cfg, run.cfg.trainer
     chosen = choose_loader(cfg, data, run.device)  # loader=auto: the same bits whichever
     report.add("3 data", "loader", chosen.name, note=chosen.why)
     signals.stop_before_training(run.dir)
@@ -152,7 +157,7 @@ def _train(
     resumes = restore(run, training, resume) if resume else []
     loader = build_loader(cfg, data, run.device, start, (first, count), chosen.cfg)
     steps_per_epoch = loader.sampler.steps_per_epoch
-    normalize = DeviceNormalizer(data, run.device, bool(t.channels_last))
+    normalize = DeviceNormalizer(data, run.device, training.channels_last)
     reducer = make_reducer(cfg, world)
     describe(run, training, data, count, chosen)
     metric_names = check_task(training, data.val, normalize) if world.main else []
@@ -161,11 +166,7 @@ def _train(
     signals.stop_before_training(run.dir, start)
     tracer = StepTracer.for_run(t, world)
     training.model.train()
-    with (
-        logs,
-        closing(tracer),
-        loading(loader) as batches,  # the workers start here
-    ):
+    with logs, closing(tracer), loading(loader) as batches:  # the workers start here
         preemption = Preemption(signals, world, max_steps)
         clock = Throughput(start, max_steps, training.batch_size, run.device)
         batches = clock.timed(batches)  # the time the loop waits for the loader
@@ -243,6 +244,23 @@ class Run:
         env = {**environment(), "world_size": world.size, "dist_backend": world.backend}
         identity = RunIdentity(resolved_container(cfg), config_hash(cfg), env, device.type)
         return cls(cfg, Path(run_dir), world, device, identity, started)
+
+    def resolved(self, channels_last: bool, report: DeterminismReport) -> Run:
+        """This run with ``trainer.channels_last=auto`` replaced by the format the model was
+        built in (:func:`repro.build.record_channels_last`), its identity (the config hash,
+        what a resume compares) recomputed: a resume across formats is refused as for an
+        explicit change. The format, and why, go into the determinism report."""
+        setting = self.cfg.trainer.channels_last
+        layout, why = memory_format_row(setting, channels_last, self.device)
+        report.add("4 ops", "memory format", layout, note=why)
+        cfg = record_channels_last(self.cfg, channels_last)
+        if cfg is self.cfg:
+            return self
+        ident = self.identity
+        identity = RunIdentity(
+            resolved_container(cfg), config_hash(cfg), ident.environment, ident.device
+        )
+        return dataclasses.replace(self, cfg=cfg, identity=identity)
 
 
 def take_run_dir(
@@ -401,6 +419,7 @@ def describe(run: Run, training: Training, data: Any, count: int, chosen: Loader
         f"{len(data.train)} train / {len(data.val)} val samples; task "
         f"{type(training.task).__name__}; batch {t.batch_size} = {k} x {t.micro_batch_size}"
         f"{split}; {t.max_steps} steps; loader {chosen.name}"
+        f"{'; channels_last' if training.channels_last else ''}"
     )
     if run.cfg.loader.get("auto"):
         log.info(f"loader {chosen.why}")
@@ -490,6 +509,7 @@ def finish(
         "amp": str(cfg.amp.dtype) if cfg.amp.enabled else "off",
         "loader": chosen.name,
         "num_workers": int(chosen.cfg.num_workers),
+        "channels_last": training.channels_last,
         "config_hash": run.identity.config_hash,
         "run_dir": str(run.dir),
         **clock.summary(),
