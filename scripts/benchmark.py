@@ -3,6 +3,7 @@
 
     python scripts/benchmark.py                       # on CUDA: both models, all variants
     python scripts/benchmark.py --steps 60 --warmup 10 --repeats 2 --models convnet
+    python scripts/benchmark.py --reference           # the README's commands vs a hand loop
 
 For each model (the default ConvNet at its default batch; the ResNet-18 preset at batch 256;
 with ``--models unet unet-stock`` the segmentation UNet at 128×128, batch 32, with repro.ops
@@ -15,7 +16,12 @@ loader over strict with ``loader=device`` (the training split already on the GPU
 ``--lightning`` adds the peer (``scripts/lightning_peer.py``: the same model and data under
 Lightning's ``seed_everything(workers=True)`` + ``Trainer(deterministic=True)``, each run its
 own process) to the rotation of the single- and multi-worker variants, and the ratio
-strict / Lightning. Writes benchmarks/benchmark[-LABEL]-<date>-<gpu>.md/.json (``-2``, ``-3``
+strict / Lightning. ``--reference`` (CUDA) instead runs each model's command as the README
+gives it (``defaults``: ``python train.py``, ``experiment=resnet18``, ``experiment=segmentation``,
+and that UNet at 128×128), the same with one setting changed (fast mode; one micro-batch a
+step; compiled; ``loader=multi`` and contiguous, what the defaults were before they chose
+for themselves), and the hand-written loop of the same model, precision and batch
+(``scripts/reference_loop.py``) eager and compiled: ratios to both. Writes benchmarks/benchmark[-LABEL]-<date>-<gpu>.md/.json (``-2``, ``-3``
 ... when that name is taken) with the versions and the exact command.
 """
 
@@ -88,71 +94,67 @@ def timed_run(overrides: list[str], steps: int, warmup: int, where: Path) -> dic
             marks[step] = time.perf_counter()
 
     summary = train(cfg, where, after_step=after_step)
-    images = (steps - warmup) * int(cfg.trainer.batch_size)
+    t = cfg.trainer
+    images = (steps - warmup) * int(t.batch_size)
+    k = int(t.batch_size) // int(t.micro_batch_size)
+    settings = [
+        summary["amp"] if summary["amp"] != "off" else "fp32",
+        f"{summary['determinism']}",
+        f"K={k}",
+        f"loader {summary['loader']}",
+        "channels_last" if summary.get("channels_last") else "contiguous",
+    ]
+    if str(t.compile) != "off":
+        settings.append("compiled")
     return {
         "images_per_second": images / (marks[steps] - marks[warmup]),
         "weights": summary["weights_sha256"],
         "warmup_seconds": summary.get("warmup_seconds"),
+        "settings": ", ".join(settings),
     }
 
 
-# --reference: the template in strict mode (bf16) against the hand-written loop
-# (scripts/reference_loop.py), compiled and not; each cell (name, overrides or None for the
-# reference, compiled)
+# --reference: each model's command as the README gives it (its preset, no other override
+# but the step count), as it is and with one setting changed, against the hand-written loop
+# (scripts/reference_loop.py) of the same model, precision and global batch, in one
+# micro-batch (as one writes it by hand), eager and compiled.
+READMES_COMMAND = {
+    "convnet": [],  # python train.py: fp32, batch 64 = 2 x 32
+    "resnet18": ["experiment=resnet18"],
+    "segmentation": ["experiment=segmentation"],  # the 64x64 preset
+    "unet": UNET,  # the preset's UNet at 128x128 (fp32)
+}
+# (name, overrides added to the command, or None for the reference; compiled)
 REFERENCE_CELLS = [
-    ("template multi", ["loader=multi"], False),
-    ("template device", ["loader=device"], False),
-    ("template device channels_last", ["loader=device", "trainer.channels_last=true"], False),
-    (
-        "template device channels_last compile",
-        ["loader=device", "trainer.channels_last=true", "trainer.compile=default"],
-        False,
-    ),
-    (
-        "template device channels_last compile, on_nonfinite=continue",
-        [
-            "loader=device",
-            "trainer.channels_last=true",
-            "trainer.compile=default",
-            "trainer.on_nonfinite=continue",
-        ],
-        False,
-    ),
-    (
-        "template device channels_last compile, trace=false",
-        [
-            "loader=device",
-            "trainer.channels_last=true",
-            "trainer.compile=default",
-            "trainer.trace=false",
-        ],
-        False,
-    ),
-    (
-        "template device channels_last compile, trace=false, on_nonfinite=continue",
-        [
-            "loader=device",
-            "trainer.channels_last=true",
-            "trainer.compile=default",
-            "trainer.trace=false",
-            "trainer.on_nonfinite=continue",
-        ],
-        False,
-    ),
+    ("defaults", [], False),
+    ("defaults, fast mode", ["determinism=fast"], False),
+    ("defaults, one micro-batch", ["ONE_MICRO_BATCH"], False),  # skipped when K is 1
+    ("defaults, compiled", ["trainer.compile=default"], False),
+    ("loader=multi, contiguous", ["loader=multi", "trainer.channels_last=false"], False),
     ("reference eager", None, False),
     ("reference compile", None, True),
 ]
 
 
 def reference_comparison(args: argparse.Namespace, tmp: Path) -> list[dict]:
-    """Every cell of REFERENCE_CELLS for each model, bf16, strict, rotated together."""
+    """Every cell of REFERENCE_CELLS for each model, rotated together."""
     from reference_loop import reference_run
 
     rows = []
     n = 0
-    cells = [c for c in REFERENCE_CELLS if c[0] in args.cells] if args.cells else REFERENCE_CELLS
+    chosen = [c for c in REFERENCE_CELLS if c[0] in args.cells] if args.cells else REFERENCE_CELLS
     for model in args.models:
-        base = [*MODELS[model], "amp=on", "determinism=strict"]
+        base = READMES_COMMAND[model]
+        cfg = compose(base, ROOT / "conf")
+        one = [f"trainer.micro_batch_size={cfg.trainer.batch_size}"]
+        single = cfg.trainer.batch_size == cfg.trainer.micro_batch_size
+        cells = [
+            (name, [o for x in ov for o in (one if x == "ONE_MICRO_BATCH" else [x])], c)
+            if ov is not None
+            else (name, None, c)
+            for name, ov, c in chosen
+            if not (single and ov == ["ONE_MICRO_BATCH"])
+        ]
         res: dict[str, list[dict]] = {name: [] for name, _, _ in cells}
         for i in range(args.repeats):
             shift = i * len(cells) // args.repeats
@@ -160,25 +162,30 @@ def reference_comparison(args: argparse.Namespace, tmp: Path) -> list[dict]:
                 n += 1
                 if overrides is None:
                     t0 = time.perf_counter()
-                    r = reference_run(base, args.steps, args.warmup, compiled)
+                    r = reference_run([*base, *one], args.steps, args.warmup, compiled)
                     r["warmup_seconds"] = None
                     r["run_seconds"] = time.perf_counter() - t0
+                    precision = "bf16" if cfg.amp.enabled else "fp32"
+                    how = ", compiled" if compiled else ""
+                    r["settings"] = f"{precision}, K=1, hand-written, channels_last{how}"
                 else:
                     r = timed_run([*base, *overrides], args.steps, args.warmup, tmp / f"r{n}")
                 res[name].append(r)
                 print(
-                    f"{model:8} {name:62} {i + 1}/{args.repeats}: "
+                    f"{model:12} {name:34} {i + 1}/{args.repeats}: "
                     f"{r['images_per_second']:9.0f} img/s  {r['weights'][:12]}",
                     flush=True,
                 )
         medians = {k: statistics.median(r["images_per_second"] for r in v) for k, v in res.items()}
-        for name, _, _ in cells:
+        for name, overrides, _ in cells:
             ips = [r["images_per_second"] for r in res[name]]
             warm = [r["warmup_seconds"] for r in res[name] if r.get("warmup_seconds")]
             rows.append(
                 {
                     "model": model,
                     "cell": name,
+                    "command": [*base, *(overrides if overrides is not None else one)],
+                    "settings": res[name][0]["settings"],
                     "images_per_second": ips,
                     "median": medians[name],
                     "over_reference_compile": medians[name] / medians["reference compile"],
@@ -193,16 +200,18 @@ def reference_comparison(args: argparse.Namespace, tmp: Path) -> list[dict]:
 
 def reference_table(rows: list[dict], flops: dict[str, float]) -> list[str]:
     lines = [
-        "| model | run | img/s median (min–max) | / reference compile | / reference eager "
-        "| digests | TFLOP/s (% of bf16 ceiling) | warm-up s (compilation), first–last |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | run | as it ran | img/s median (min–max) | / reference compile "
+        "| / reference eager | digests | TFLOP/s (% of bf16 ceiling) "
+        "| warm-up s (compilation), first–last |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ips, tflops = r["images_per_second"], r["median"] * flops[r["model"]] / 1e12
         warm = r["warmup_seconds"]
         warm_text = f"{warm[0]:.1f}–{warm[-1]:.1f}" if warm else "–"
         lines.append(
-            f"| {r['model']} | {r['cell']} | {r['median']:.0f} ({min(ips):.0f}–{max(ips):.0f}) "
+            f"| {r['model']} | {r['cell']} | {r['settings']} "
+            f"| {r['median']:.0f} ({min(ips):.0f}–{max(ips):.0f}) "
             f"| {r['over_reference_compile']:.3f} | {r['over_reference_eager']:.3f} "
             f"| {r['distinct_weights']} | {tflops:.1f} ({100 * tflops / H200_BF16_TFLOPS:.1f}%) "
             f"| {warm_text} |"
@@ -309,7 +318,14 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=list(MODELS))
+    p.add_argument(
+        "--models",
+        nargs="+",
+        default=None,
+        choices=sorted({*MODELS, *READMES_COMMAND}),
+        help=f"default: {' '.join(DEFAULT_MODELS)}; with --reference: "
+        f"{' '.join(READMES_COMMAND)} (the README's commands)",
+    )
     p.add_argument("--variants", nargs="+", default=VARIANT_NAMES, choices=VARIANT_NAMES)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks")
     p.add_argument("--label", default="", help="names the result files: benchmark-LABEL-<date>-...")
@@ -321,8 +337,9 @@ def main() -> int:
     p.add_argument(
         "--reference",
         action="store_true",
-        help="instead: the template (strict, bf16) against the hand-written loop "
-        "(scripts/reference_loop.py), eager and compiled (CUDA only)",
+        help="instead: the README's commands, as they are and with one setting changed, "
+        "against the hand-written loop (scripts/reference_loop.py), eager and compiled "
+        "(CUDA only)",
     )
     p.add_argument(
         "--cells",
@@ -335,6 +352,10 @@ def main() -> int:
     args = p.parse_args()
     if not 0 < args.warmup < args.steps:
         p.error("need 0 < --warmup < --steps")
+    known = READMES_COMMAND if args.reference else MODELS
+    args.models = args.models or list(READMES_COMMAND if args.reference else DEFAULT_MODELS)
+    if set(args.models) - set(known):
+        p.error(f"--models: from {', '.join(known)}{' with --reference' * args.reference}")
     if args.reference:
         if not torch.cuda.is_available():
             p.error("--reference needs a CUDA GPU (the reference loop keeps its data there)")
@@ -480,25 +501,31 @@ def main_reference(args: argparse.Namespace) -> int:
     logging.getLogger("repro").setLevel(logging.WARNING)
     pin_process_environment(compose([], ROOT / "conf").determinism)
     with tempfile.TemporaryDirectory() as tmp:
-        timed_run(MODELS[args.models[0]], args.warmup + 5, args.warmup, Path(tmp) / "warm")
+        first = READMES_COMMAND[args.models[0]]
+        timed_run(first, args.warmup + 5, args.warmup, Path(tmp) / "warm")
         rows = reference_comparison(args, Path(tmp))
     from repro.fingerprint import environment
 
-    flops = {model: flops_per_image(MODELS[model]) for model in args.models}
+    flops = {model: flops_per_image(READMES_COMMAND[model]) for model in args.models}
     env, command, date = environment(), command_line(), today()
     lines = [
-        f"# One GPU: the template's strict mode against a hand-written loop, {date}",
+        f"# One GPU: the README's commands against a hand-written loop, {date}",
         "",
         f"`{command}`",
         "",
-        f"{environment_line(env)}. bf16, strict settings throughout; {args.steps} steps per "
-        f"run, images/s over the last {args.steps - args.warmup}; {args.repeats} repeats per "
-        "cell, every cell of a model in turn, one process. The reference is "
-        "`scripts/reference_loop.py`: the same model class, optimizer, schedule, batch and "
-        "micro-batches, data on the GPU, channels_last, deterministic algorithms, a random "
-        "crop and flip per sample; no trace, checkpoint, keyed randomness or check for a loss "
-        "that is not finite. Warm-up: the template's first steps until steady "
-        "(`warmup_seconds` in summary.json), compilation included.",
+        f"{environment_line(env)}. {args.steps} steps per run, images/s over the last "
+        f"{args.steps - args.warmup}; {args.repeats} repeats per cell, every cell of a model in "
+        "turn, one process. *defaults*: the model's command as the README gives it "
+        + "; ".join(f"{m}: `python train.py {' '.join(READMES_COMMAND[m])}`" for m in args.models)
+        + " (the last with the step count only); the other template rows change one setting "
+        "of it. *As it ran*: precision, determinism mode, micro-batches a step (K), the loader "
+        "and memory format the run chose (summary.json). The reference is "
+        "`scripts/reference_loop.py`: the same model class, loss, optimizer, schedule, "
+        "precision and global batch, in one micro-batch; data on the GPU, channels_last, "
+        "deterministic algorithms, a random crop and flip per sample; no trace, checkpoint, "
+        "keyed randomness, evaluation or check for a loss that is not finite. Warm-up: the "
+        "template's first steps until steady (`warmup_seconds` in summary.json), compilation "
+        "included.",
         "",
         *reference_table(rows, flops),
         "",

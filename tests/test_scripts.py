@@ -241,7 +241,8 @@ def test_a_second_result_the_same_day_keeps_the_first(tmp_path):
 
 def test_the_reference_loop_repeats_its_bits():
     """scripts/reference_loop.py, the hand-written peer of benchmark.py --reference: on the
-    CPU here (the benchmark runs it on a GPU), twice the same weights."""
+    CPU here (the benchmark runs it on a GPU), twice the same weights; a segmentation
+    config too (the task's loss, masks cropped and flipped with their images)."""
     import importlib.util
 
     from conftest import SMALL_DATA
@@ -253,6 +254,10 @@ def test_the_reference_loop_repeats_its_bits():
     spec.loader.exec_module(module)
     args = [*SMALL_DATA, "model.width=8"]
     a, b = (module.reference_run(args, 6, 2, compiled=False, device="cpu") for _ in range(2))
+    assert a["weights"] == b["weights"] and a["images_per_second"] > 0
+    seg = ["experiment=segmentation", "data.train_size=16", "data.val_size=4", "model.width=4"]
+    seg += ["trainer.batch_size=4", "trainer.micro_batch_size=2"]
+    a, b = (module.reference_run(seg, 3, 1, compiled=False, device="cpu") for _ in range(2))
     assert a["weights"] == b["weights"] and a["images_per_second"] > 0
 
 
