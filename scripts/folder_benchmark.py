@@ -21,7 +21,8 @@ shares with the training process at the fork: the loader workers, and helpers su
 in-memory must give one digest per folder). ``--on-device`` adds the in-memory split kept on
 the GPU (``loader=device``, with ``--device-augment`` as its augmentation if the others' cannot run
 on the device): the loader's ratio to data already there says whether the GPU waits on the
-loader. ``--repeats`` runs every cell of a folder size in turn that many times
+loader. ``--modes auto`` adds the lazy folder under ``loader=auto`` (the workers it chose
+in the table). ``--repeats`` runs every cell of a folder size in turn that many times
 (median, min and max reported). Writes ``folder-<date>-<gpu or cpu>.md/.json`` under ``--out``.
 """
 
@@ -97,6 +98,7 @@ def run(overrides: list[str]) -> dict:
         "loader_wait": summary["loader_wait_fraction"],
         "weights": summary["weights_sha256"],
         "environment": summary["environment"],
+        "num_workers": summary["num_workers"],
     }
 
 
@@ -112,9 +114,10 @@ def main() -> None:
     p.add_argument(
         "--modes",
         nargs="+",
-        choices=["memory", "lazy"],
+        choices=["memory", "lazy", "auto"],
         default=["memory", "lazy"],
-        help="in memory (main process, and workers[0] workers) and/or lazy (each of --workers)",
+        help="in memory (main process, and workers[0] workers), lazy (each of --workers), "
+        "auto (lazy, as many workers as loader=auto chooses)",
     )
     p.add_argument("--on-device", action="store_true", help="add the split kept on the GPU")
     p.add_argument(
@@ -161,6 +164,8 @@ def main() -> None:
             cells += [
                 ("lazy", w, ["loader=multi", f"loader.num_workers={w}"]) for w in args.workers
             ]
+        if "auto" in args.modes:
+            cells += [("lazy, auto", "auto", ["loader=auto"])]
         if args.on_device:
             device = ["data.in_memory=true", "loader=device"]
             if args.device_augment:
@@ -185,7 +190,7 @@ def main() -> None:
                 {
                     "images": n,
                     "mode": mode,
-                    "workers": workers,
+                    "workers": rs[0]["num_workers"] if workers == "auto" else workers,
                     "main_mib": max(r["main_mib"] for r in rs),
                     "worker_mib": max(r["worker_mib"] for r in rs),
                     "images_per_second": statistics.median(speeds),
