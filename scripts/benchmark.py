@@ -128,7 +128,8 @@ READMES_COMMAND = {
 REFERENCE_CELLS = [
     ("defaults", [], False),
     ("defaults, fast mode", ["determinism=fast"], False),
-    ("defaults, one micro-batch", ["ONE_MICRO_BATCH"], False),  # skipped when K is 1
+    ("defaults, one micro-batch", ["MICRO_BATCHES=1"], False),  # each skipped when the
+    ("defaults, 2 micro-batches", ["MICRO_BATCHES=2"], False),  # command's K is that already
     ("defaults, compiled", ["trainer.compile=default"], False),
     ("loader=multi, contiguous", ["loader=multi", "trainer.channels_last=false"], False),
     ("reference eager", None, False),
@@ -146,15 +147,16 @@ def reference_comparison(args: argparse.Namespace, tmp: Path) -> list[dict]:
     for model in args.models:
         base = READMES_COMMAND[model]
         cfg = compose(base, ROOT / "conf")
-        one = [f"trainer.micro_batch_size={cfg.trainer.batch_size}"]
-        single = cfg.trainer.batch_size == cfg.trainer.micro_batch_size
-        cells = [
-            (name, [o for x in ov for o in (one if x == "ONE_MICRO_BATCH" else [x])], c)
-            if ov is not None
-            else (name, None, c)
-            for name, ov, c in chosen
-            if not (single and ov == ["ONE_MICRO_BATCH"])
-        ]
+        batch, k = cfg.trainer.batch_size, cfg.trainer.batch_size // cfg.trainer.micro_batch_size
+        one = [f"trainer.micro_batch_size={batch}"]
+        cells = []
+        for name, overrides, compiled in chosen:
+            if overrides and overrides[0].startswith("MICRO_BATCHES="):
+                want = int(overrides[0].split("=")[1])
+                if want == k:
+                    continue
+                overrides = [f"trainer.micro_batch_size={batch // want}"]
+            cells.append((name, overrides, compiled))
         res: dict[str, list[dict]] = {name: [] for name, _, _ in cells}
         for i in range(args.repeats):
             shift = i * len(cells) // args.repeats

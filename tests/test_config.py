@@ -242,7 +242,7 @@ def test_check_overrides_leaves_what_it_does_not_know_to_hydra():
 def test_an_experiment_preset_sets_its_groups_and_keys_and_overrides_still_win(tmp_path):
     c = cfg("experiment=resnet18")
     assert c.model._target_ == "repro.models.ResNet18" and c.amp.enabled
-    assert (c.trainer.batch_size, c.trainer.micro_batch_size) == (256, 128)
+    assert (c.trainer.batch_size, c.trainer.micro_batch_size) == (256, 256)
     c = cfg("experiment=resnet18", "amp=off", "trainer.batch_size=512")
     assert not c.amp.enabled and c.trainer.batch_size == 512
     assert cfg().model._target_ == "repro.models.ConvNet"  # no preset by default

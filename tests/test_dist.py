@@ -245,6 +245,11 @@ def test_a_sweep_under_torchrun_is_refused(tmp_path):
 # ------------------------------------------------------------------ in-process units
 
 
+def test_a_k_that_the_processes_cannot_split_names_the_micro_batch_size_that_would():
+    with pytest.raises(ConfigError, match=r"set trainer.micro_batch_size=128 \(2 micro-batches"):
+        check_split(1, World(0, 2), batch_size=256)  # the ResNet-18 preset on 2 GPUs
+
+
 def test_a_share_is_covered_by_its_canonical_nodes_which_are_tree_nodes():
     for k in range(1, 49):
         for w in range(1, k + 1):

@@ -331,7 +331,7 @@ def due(done: int, every: int, max_steps: int) -> bool:
 def micro_batch_share(cfg: DictConfig, world: World) -> tuple[int, int]:
     """``(first, count)``: the micro-batches of each step this process computes."""
     k = int(cfg.trainer.batch_size) // int(cfg.trainer.micro_batch_size)
-    check_split(k, world)
+    check_split(k, world, int(cfg.trainer.batch_size))
     return share(k, world)
 
 

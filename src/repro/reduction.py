@@ -90,13 +90,18 @@ def finish_tree(k: int, known: dict[tuple[int, int], T], add: Callable[[T, T], T
     return node(0, k)
 
 
-def check_split(k: int, world: World) -> None:
+def check_split(k: int, world: World, batch_size: int | None = None) -> None:
     """The K micro-batches must split into W equal contiguous shares: W divides K."""
     if k % world.size:
+        w = world.size
+        fix = "trainer.micro_batch_size"
+        if batch_size is not None and batch_size % w == 0:
+            fix = f"{fix}={batch_size // w} ({w} micro-batches a step)"
         raise ConfigError(
             f"config error: trainer.batch_size / trainer.micro_batch_size = {k} micro-batches "
-            f"cannot be split among {world.size} processes; use a number of processes that "
-            f"divides {k}, or change trainer.batch_size or trainer.micro_batch_size."
+            f"cannot be split among {w} processes; use a number of processes that divides "
+            f"{k}, or set {fix}, which changes the bits: give it to the one-process run you "
+            "compare with too (docs/distributed.md)."
         )
 
 
