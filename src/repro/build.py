@@ -250,7 +250,8 @@ def _call(make: Any, group: str, *args: Any) -> Any:
 
 
 # loader=auto on CUDA, images read per sample: workers between these (a core per local GPU
-# less 2; 12 fed ResNet-50 from JPEGs on one H200: conf/loader/auto.yaml)
+# less 2; ResNet-50 from JPEGs on one H200 with 16 cores: 12 fed it, 14 and 16 were slower;
+# conf/loader/auto.yaml)
 AUTO_WORKERS = (2, 12)
 
 

@@ -97,11 +97,12 @@ def check_split(k: int, world: World, batch_size: int | None = None) -> None:
         fix = "trainer.micro_batch_size"
         if batch_size is not None and batch_size % w == 0:
             fix = f"{fix}={batch_size // w} ({w} micro-batches a step)"
+        many = f"{k} micro-batch{'es' if k > 1 else ''} a step"
+        fewer = f"use a number of processes that divides {k}, or " if k > 1 else ""
         raise ConfigError(
-            f"config error: trainer.batch_size / trainer.micro_batch_size = {k} micro-batches "
-            f"cannot be split among {w} processes; use a number of processes that divides "
-            f"{k}, or set {fix}, which changes the bits: give it to the one-process run you "
-            "compare with too (docs/distributed.md)."
+            f"config error: trainer.batch_size / trainer.micro_batch_size = {many} cannot be "
+            f"split among {w} processes; {fewer}set {fix}, which changes the bits: give it "
+            "to the one-process run you compare with too (docs/distributed.md)."
         )
 
 
