@@ -201,6 +201,17 @@ MUTATIONS = [
         "stats.paired([a[s] for s in common], [b[s] for s in reversed(common)])",
         ["tests/test_sweep.py::test_two_groups_of_a_sweep_are_compared_seed_by_seed"],
     ),
+    Mutation(
+        "channels-last-unrecorded",
+        "trainer.channels_last=auto recorded as auto, not as the format the model was built in",
+        "src/repro/loop.py",
+        "cfg = record_channels_last(self.cfg, channels_last)",
+        "cfg = self.cfg",
+        [
+            "tests/test_compile.py::test_channels_last_auto_is_recorded_as_the_format_it_chose",
+            "tests/test_compile.py::test_channels_last_repeats_with_any_loader_and_is_recorded",
+        ],
+    ),
 ]
 
 
