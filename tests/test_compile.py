@@ -89,7 +89,7 @@ def test_a_compiled_run_resumes_exactly_and_an_eager_one_cannot_resume_it(tmp_pa
 
 
 @pytest.mark.e2e
-def test_channels_last_repeats_with_any_loader_and_is_recorded(eager, tmp_path):
+def test_channels_last_repeats_with_any_loader_and_is_recorded(tmp_path):
     nhwc = [*TINY, "trainer.channels_last=true"]
     single = train_here(tmp_path / "single", *nhwc, "loader=single")
     on_device = train_here(tmp_path / "device", *nhwc, "loader=device")
@@ -100,6 +100,14 @@ def test_channels_last_repeats_with_any_loader_and_is_recorded(eager, tmp_path):
     differ = r"trainer.channels_last: True \(checkpoint\) vs False \(now\)"
     with pytest.raises(CheckpointError, match=differ):
         train_here(tmp_path / "auto", *TINY, f"trainer.resume={single.dir}")
+    # evaluating it needs no flag: auto takes the format the run recorded (a GPU run's
+    # checkpoint evaluated on a CPU), and gives the run's own final evaluation
+    from repro.config import compose
+    from repro.inference import evaluate_checkpoint
+
+    cfg = compose([*TINY, "loader=single"])
+    got = evaluate_checkpoint(cfg, single.dir / "checkpoint.pt", torch.device("cpu"), "val")
+    assert got["metrics"]["val_loss"] == single.summary["val_loss"]
 
 
 @pytest.mark.e2e

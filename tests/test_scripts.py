@@ -242,7 +242,7 @@ def test_a_second_result_the_same_day_keeps_the_first(tmp_path):
 def test_the_reference_loop_repeats_its_bits():
     """scripts/reference_loop.py, the hand-written peer of benchmark.py --reference: on the
     CPU here (the benchmark runs it on a GPU), twice the same weights; a segmentation
-    config too (the task's loss, masks cropped and flipped with their images)."""
+    config too (the task's loss: plain cross-entropy would fail on the border's 255)."""
     import importlib.util
 
     from conftest import SMALL_DATA

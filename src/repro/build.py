@@ -171,9 +171,9 @@ def build_model(cfg: DictConfig, data: DataSplits, device: torch.device) -> nn.M
 
 def uses_channels_last(setting: Any, model: nn.Module, device: torch.device) -> bool:
     """``trainer.channels_last``: true or false as set; ``auto``: on for a CUDA run of a
-    model with 2-D convolutions (cuDNN's NHWC kernels: 1.26x on the ResNet-18 preset on an
-    H200, docs/speed.md), off elsewhere: on a CPU, and for a model without a Conv2d, whose
-    kernels the format would not change. Another format is other kernels, other bits: the
+    model with 2-D convolutions (cuDNN's NHWC kernels, faster there: docs/speed.md), off
+    elsewhere: on a CPU, and for a model without a Conv2d, whose kernels the format would
+    not change. Another format is other kernels, other bits: the
     value chosen is recorded in the run's config before its hash (:meth:`Run.resolved`)."""
     if setting == "auto":
         return device.type == "cuda" and any(isinstance(m, nn.Conv2d) for m in model.modules())

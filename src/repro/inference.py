@@ -26,6 +26,7 @@ from repro.checkpoint import (
     mismatches,
     read_checkpoint,
 )
+from repro.config import flatten
 from repro.data import DataSplits, DeviceNormalizer
 from repro.errors import CheckpointError, ConfigError
 from repro.evaluation import evaluate
@@ -94,11 +95,12 @@ def restored(
 ) -> tuple[Training, dict[str, list[str]]]:
     """The run's model (and weight average) rebuilt from ``cfg`` with the weights of
     ``state``, the loaded ``checkpoint``; and what differs (:func:`settings_differ`, which
-    refuses a config that would change the result, unless ``force``). The model is built
-    first: ``trainer.channels_last=auto`` is compared as the format it chose, as the run
-    recorded it."""
+    refuses a config that would change the result, unless ``force``). With
+    ``trainer.channels_last=auto`` the model is built in the format the run recorded
+    (channels_last runs on a CPU too): a GPU run's checkpoint evaluates on a laptop."""
+    recorded = flatten(state.get("config") or {}).get("trainer.channels_last", False)
+    cfg = record_channels_last(cfg, bool(recorded))  # auto: the run's format, any device
     training = build_training(cfg, data, device)
-    cfg = record_channels_last(cfg, training.channels_last)
     differences = settings_differ(state, cfg, device, force)
     wrong = cannot_restore(training, state)
     if wrong:

@@ -94,9 +94,9 @@ def check_split(k: int, world: World, batch_size: int | None = None) -> None:
     """The K micro-batches must split into W equal contiguous shares: W divides K."""
     if k % world.size:
         w = world.size
-        fix = "trainer.micro_batch_size"
+        fix = "trainer.batch_size and trainer.micro_batch_size"
         if batch_size is not None and batch_size % w == 0:
-            fix = f"{fix}={batch_size // w} ({w} micro-batches a step)"
+            fix = f"trainer.micro_batch_size={batch_size // w} ({w} micro-batches a step)"
         many = f"{k} micro-batch{'es' if k > 1 else ''} a step"
         fewer = f"use a number of processes that divides {k}, or " if k > 1 else ""
         raise ConfigError(
