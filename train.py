@@ -113,9 +113,14 @@ def main(cfg: DictConfig) -> float:
 def _fault_kill():
     """``REPRO_FAULT_KILL_AFTER_STEP=N``: this process SIGKILLs itself right after optimizer
     step N, before that step is recorded -- a kill at a known point, for the tests of a
-    fork's experiment (``repro.testing.train_killed``). Unset: no hook."""
+    fork's experiment (``repro.testing.train_killed``). Under torchrun, with
+    ``REPRO_FAULT_KILL_RANK=R`` only rank R, and only before torchrun restarts the group.
+    Unset: no hook."""
     at = os.environ.get("REPRO_FAULT_KILL_AFTER_STEP")
-    if not at:
+    rank = os.environ.get("REPRO_FAULT_KILL_RANK")
+    if not at or (rank is not None and rank != os.environ.get("RANK", "0")):
+        return None
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) > 0:
         return None
 
     def kill(step: int, model) -> None:

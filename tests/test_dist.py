@@ -6,6 +6,7 @@ Each multi-process run is a real `torchrun --standalone` launch of train.py, str
 process (conftest.train_here)."""
 
 import csv
+import json
 import re
 import signal
 import subprocess
@@ -85,6 +86,25 @@ def test_world_size_does_not_change_the_bits(runs, world_size):
     assert_same_bits(many, one)
     env = compare_dirs(one.dir, many.dir).text()
     assert f"environment.world_size: 1 vs {world_size}" in env
+
+
+@pytest.mark.e2e
+def test_torchrun_restarts_a_group_whose_rank_was_killed_and_it_resumes_by_itself(runs, tmp_path):
+    """``torchrun --max-restarts=1``, rank 1 SIGKILLed after step 7 (the checkpoint is step
+    5's), no hydra.run.dir and no trainer.resume given: the restarted group finds the first
+    start's run directory, resumes there from step 5 and ends on the one-process bits."""
+    outputs = tmp_path / "outputs"
+    cmd = [*train_cmd(*SMALL, f"paths.output_dir={outputs}", nproc=2)]
+    cmd.insert(cmd.index("--standalone"), "--max-restarts=1")
+    env = user_env(REPRO_FAULT_KILL_AFTER_STEP="7", REPRO_FAULT_KILL_RANK="1")
+    proc = launch.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = [p.parent for p in outputs.glob("*/*/summary.json")]  # one directory
+    restarted = Run(run_dir, json.loads((run_dir / "summary.json").read_text()), proc.stderr)
+    assert [r["step"] for r in restarted.summary["resumes"]] == [5]
+    assert_same_bits(restarted, runs(1))
+    (record,) = (outputs / ".torchelastic").iterdir()  # where the restart found it
+    assert json.loads(record.read_text())["run_dir"] == str(run_dir)
 
 
 @pytest.mark.e2e

@@ -9,6 +9,9 @@ therefore leaves nothing behind.
 
 from __future__ import annotations
 
+import os
+import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +73,10 @@ class PrepareRunCallback(Callback):
             make_output_dir(config.hydra.run.dir, "hydra.run.dir")
         except ReproError as err:
             exit_with(err)
+        except Exception:  # Hydra would only warn, and run the job without what failed:
+            traceback.print_exc()  # a rank that cannot join its group would then hang
+            sys.stderr.flush()
+            os._exit(1)  # torchrun sees the failure (and restarts the group, if allowed)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:

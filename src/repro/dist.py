@@ -9,14 +9,17 @@ that rank 0 meets while preparing the run stops every rank with rank 0's message
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.rendezvous import rendezvous
 
 from repro.errors import ConfigError, DeterminismError, FromRank0, ReproError
 
@@ -126,8 +129,14 @@ def init(dist_cfg: Any, nccl_env: dict[str, str] | None = None, device_name: str
         backend = "gloo" if backend == "gloo" else "cpu:gloo,cuda:nccl"
     else:
         backend = "gloo"
+    timeout = datetime.timedelta(seconds=int(dist_cfg.timeout_s))
+    # torchrun's store outlives a restart of the group (--max-restarts): under a prefix of
+    # this start's own, a restarted rank cannot read a dead rank's address (gloo then
+    # failed to connect, or connected to nothing, at random)
+    store, rank, size = next(rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"repro/start_{restart_count()}", store)
     dist.init_process_group(
-        backend=backend, timeout=datetime.timedelta(seconds=int(dist_cfg.timeout_s))
+        backend=backend, store=store, rank=rank, world_size=size, timeout=timeout
     )
     return current()
 
@@ -259,15 +268,46 @@ def moves_cuda_tensors(world: World) -> bool:
     return per_device.get("cuda", "gloo") != "gloo"
 
 
+def restart_count() -> int:
+    """How many times ``torchrun --max-restarts`` has restarted this group: 0 at its first
+    start, and outside torchrun."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
+def elastic_run_dir(config: Any) -> str:
+    """Rank 0's run directory, the same over torchrun's restarts of one group: the first
+    start records it in ``<paths.output_dir>/.torchelastic/<TORCHELASTIC_RUN_ID>.json``, a
+    restarted group reads it back (a new timestamp would start the run over elsewhere)."""
+    run_dir = str(config.hydra.run.dir)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run_id or not int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0):
+        return run_dir  # no restart to come
+    record = Path(str(config.paths.output_dir)) / ".torchelastic" / f"{run_id}.json"
+    if restart_count() == 0:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps({"run_dir": run_dir}))
+        return run_dir
+    try:
+        return str(json.loads(record.read_text())["run_dir"])
+    except (OSError, ValueError, KeyError):  # not recorded: this start's own directory
+        return run_dir
+
+
 def join_hydra_run(config: Any, world: World) -> None:
     """Under torchrun, before Hydra creates the run directory: every rank takes rank 0's
     ``hydra.run.dir`` (its timestamp and run id), and ranks > 0 write nothing there (no
-    ``.hydra/``, no log file) and log warnings and errors only, marked with their rank."""
+    ``.hydra/``, no log file) and log warnings and errors only, marked with their rank.
+    A group that ``torchrun --max-restarts`` restarted after a rank failed takes the first
+    start's directory and resumes there (``trainer.resume=auto``, unless set): no flag to
+    remember, and the uninterrupted run's bits."""
     from omegaconf import open_dict, read_write
 
     if not world.distributed:
         return
-    run_dir = broadcast_object(str(config.hydra.run.dir) if world.main else None, world)
+    run_dir = broadcast_object(elastic_run_dir(config) if world.main else None, world)
+    with read_write(config), open_dict(config):
+        if restart_count() > 0 and config.trainer.get("resume") is None:
+            config.trainer.resume = "auto"
     with read_write(config.hydra), open_dict(config.hydra):
         config.hydra.run.dir = run_dir
         if world.main:
