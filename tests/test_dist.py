@@ -9,6 +9,7 @@ import csv
 import json
 import re
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -105,6 +106,59 @@ def test_torchrun_restarts_a_group_whose_rank_was_killed_and_it_resumes_by_itsel
     assert_same_bits(restarted, runs(1))
     (record,) = (outputs / ".torchelastic").iterdir()  # where the restart found it
     assert json.loads(record.read_text())["run_dir"] == str(run_dir)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_nodes(run_dir: Path, rendezvous: str, *overrides: str) -> Run:
+    """Two "nodes" on this machine: two torchrun invocations, node ranks 0 and 1, one
+    process each, meeting on 127.0.0.1 through ``static`` (--master_addr/--master_port, as
+    a SLURM script gives them) or ``c10d`` (--rdzv-endpoint) rendezvous."""
+    port = free_port()
+    meet = (
+        ["--master_addr=127.0.0.1", f"--master_port={port}"]
+        if rendezvous == "static"
+        else ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two"]
+    )
+    procs = []
+    for node in (0, 1):
+        cmd = train_cmd(f"hydra.run.dir={run_dir}", *SMALL, *overrides)
+        launcher = ["-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}"]
+        cmd[1:1] = [*launcher, "--nproc_per_node=1", *meet]
+        procs.append(
+            launch.popen(
+                cmd,
+                cwd=run_dir.parent,
+                env=user_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )  # fmt: skip
+        )
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    return Run(run_dir, json.loads((run_dir / "summary.json").read_text()), outputs[0])
+
+
+@pytest.mark.e2e
+def test_two_nodes_with_static_rendezvous_give_the_one_process_bits(runs, tmp_path):
+    two = two_nodes(tmp_path / "nodes", "static")
+    assert two.summary["world_size"] == 2
+    assert_same_bits(two, runs(1))
+    assert [p.name for p in tmp_path.iterdir()] == ["nodes"]  # node 1 made no directory
+
+
+@pytest.mark.e2e
+def test_two_nodes_with_c10d_rendezvous_resume_a_one_process_checkpoint_to_its_bits(runs, tmp_path):
+    one = runs(1)
+    step10 = one.dir / "checkpoints" / "step-00000010.pt"  # the periodic ones kept: 10, 12
+    two = two_nodes(tmp_path / "nodes", "c10d", f"trainer.resume={step10}")
+    assert [r["step"] for r in two.summary["resumes"]] == [10]
+    assert_same_bits(two, one)
 
 
 @pytest.mark.e2e
