@@ -28,7 +28,7 @@ CONF_DIR = Path(__file__).resolve().parent / "conf"
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float:
     from repro.checkpoint import atomic_write
-    from repro.dist import launched_world, shutdown
+    from repro.dist import explain_timeout, launched_world, shutdown
     from repro.loop import train
 
     hydra_cfg = HydraConfig.get()
@@ -67,9 +67,10 @@ def main(cfg: DictConfig) -> float:
         if launched_world().distributed:
             # Stop this rank now: waiting in NCCL's teardown for ranks that are gone can hang.
             # torchrun then stops the others and shows this rank's error in its summary.
-            if not isinstance(err, ReproError):
+            timed_out = explain_timeout(err, launched_world(), int(cfg.dist.timeout_s))
+            if not isinstance(err, ReproError) and timed_out is None:
                 traceback.print_exc()
-            report_error(err)
+            report_error(timed_out or err)
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()

@@ -7,6 +7,7 @@ process (conftest.train_here)."""
 
 import csv
 import json
+import os
 import re
 import signal
 import socket
@@ -106,6 +107,48 @@ def test_torchrun_restarts_a_group_whose_rank_was_killed_and_it_resumes_by_itsel
     assert_same_bits(restarted, runs(1))
     (record,) = (outputs / ".torchelastic").iterdir()  # where the restart found it
     assert json.loads(record.read_text())["run_dir"] == str(run_dir)
+
+
+def workers_of(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(w) for w in out.split()]
+
+
+def rank_of(pid: int) -> int:
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(v for v in env if v.startswith(b"RANK="))[5:])
+
+
+@pytest.mark.e2e
+def test_a_rank_that_hangs_stops_the_group_after_the_timeout_with_one_line_naming_it(tmp_path):
+    """Rank 1 of 2 SIGSTOPped mid-run: rank 0's next collective waits dist.timeout_s (5 s),
+    then the group stops with one line naming rank 1 (its heartbeat stopped), not after
+    the default half hour, and never waiting forever."""
+    log = tmp_path / "torchrun.log"
+    cmd = train_cmd(f"hydra.run.dir={tmp_path / 'run'}", *SMALL, "trainer.max_steps=400",
+                    "dist.timeout_s=5", nproc=2)  # fmt: skip
+    with open(log, "w") as out:
+        proc = launch.popen(cmd, cwd=tmp_path, env=user_env(), stdout=out, stderr=out)
+    metrics_file, stopped, start = tmp_path / "run" / "metrics.csv", None, time.monotonic()
+    try:
+        while proc.poll() is None and time.monotonic() - start < 120:
+            started = metrics_file.is_file() and metrics_file.read_text().count("\n") > 3
+            if stopped is None and started:
+                (stopped,) = [w for w in workers_of(proc.pid) if rank_of(w) == 1]
+                os.kill(stopped, signal.SIGSTOP)
+                stopped_at = time.monotonic()
+            if stopped and "stopped answering" in log.read_text():
+                os.kill(stopped, signal.SIGKILL)  # what torchrun does after its grace period
+                break
+            time.sleep(0.2)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    errors = [line for line in log.read_text().splitlines() if line.startswith("error: [rank 0/2]")]
+    assert proc.returncode != 0 and len(errors) == 1, log.read_text()[-3000:]
+    assert "dist.timeout_s=5 s: rank 1 of 2 stopped answering" in errors[0]
+    assert time.monotonic() - stopped_at < 60
 
 
 def free_port() -> int:

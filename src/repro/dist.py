@@ -12,6 +12,9 @@ import datetime
 import json
 import os
 import pickle
+import re
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,7 +141,81 @@ def init(dist_cfg: Any, nccl_env: dict[str, str] | None = None, device_name: str
     dist.init_process_group(
         backend=backend, store=store, rank=rank, world_size=size, timeout=timeout
     )
+    Heartbeat.start(rank, size)
     return current()
+
+
+class Heartbeat:
+    """Under torchrun each rank adds 1 to its counter in torchrun's store every second, from
+    a thread of its own (over its own connection), so that when a collective times out
+    (``dist.timeout_s``) the ranks that stopped answering can be named:
+    :func:`silent_ranks`. A rank stopped (SIGSTOP), swapped out or frozen stops counting;
+    one stuck in Python code keeps counting, and is named by elimination."""
+
+    INTERVAL = 1.0
+
+    @staticmethod
+    def key(rank: int) -> str:
+        return f"repro/start_{restart_count()}/heartbeat/{rank}"
+
+    @staticmethod
+    def connect(timeout_s: float = 10.0) -> Any:
+        return dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+
+    @classmethod
+    def start(cls, rank: int, size: int) -> None:
+        def beat() -> None:
+            try:
+                store = cls.connect()
+                while True:
+                    store.add(cls.key(rank), 1)
+                    time.sleep(cls.INTERVAL)
+            except Exception:  # the store is gone: the group is ending anyway
+                return
+
+        threading.Thread(target=beat, name="repro-heartbeat", daemon=True).start()
+
+
+SILENT_AFTER_S = 3.0  # a heartbeat that did not advance in this long: a silent rank
+
+
+def silent_ranks(world: World, wait_s: float = SILENT_AFTER_S) -> list[int] | None:
+    """The other ranks whose heartbeat did not advance over ``wait_s`` seconds (after a
+    collective timed out); None when torchrun's store cannot be reached."""
+    try:
+        store = Heartbeat.connect(timeout_s=5.0)
+        first = [store.add(Heartbeat.key(r), 0) for r in range(world.size)]
+        time.sleep(wait_s)
+        then = [store.add(Heartbeat.key(r), 0) for r in range(world.size)]
+    except Exception:
+        return None
+    return [r for r in range(world.size) if r != world.rank and then[r] == first[r]]
+
+
+def explain_timeout(error: BaseException, world: World, timeout_s: int) -> ReproError | None:
+    """A collective that timed out, as one line naming the ranks that stopped answering
+    (:class:`Heartbeat`); None for any other error."""
+    text = str(error)
+    if not world.distributed or not re.search(r"[Tt]imed out|[Tt]imeout", text):
+        return None
+    silent = silent_ranks(world)
+    if silent is None:
+        who = "a rank stopped answering (torchrun's store cannot be reached to say which)"
+    elif not silent:
+        who = "every rank still answers: one may be stuck in its own code (a deadlock)"
+    else:
+        names = ", ".join(f"rank {r}" for r in silent)
+        who = f"{names} of {world.size} stopped answering (no heartbeat in {SILENT_AFTER_S:.0f} s)"
+    return ReproError(
+        f"a collective waited dist.timeout_s={timeout_s} s: {who}; the group stops. Look at "
+        "that rank's host (stopped, swapped out, a GPU gone), then resume with "
+        "trainer.resume=auto."
+    )
 
 
 def shutdown() -> None:
