@@ -116,6 +116,8 @@ def _fault_kill():
     step N, before that step is recorded -- a kill at a known point, for the tests of a
     fork's experiment (``repro.testing.train_killed``). Under torchrun, with
     ``REPRO_FAULT_KILL_RANK=R`` only rank R, and only before torchrun restarts the group.
+    ``REPRO_FAULT_SIGNAL=SIGUSR2`` sends that signal instead (a pre-emption notice: the run
+    checkpoints after step N and stops, and a resumed run never sees step N again).
     Unset: no hook."""
     at = os.environ.get("REPRO_FAULT_KILL_AFTER_STEP")
     rank = os.environ.get("REPRO_FAULT_KILL_RANK")
@@ -124,9 +126,11 @@ def _fault_kill():
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) > 0:
         return None
 
+    how = getattr(signal, os.environ.get("REPRO_FAULT_SIGNAL") or "SIGKILL")
+
     def kill(step: int, model) -> None:
         if step == int(at):
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), how)
 
     return kill
 

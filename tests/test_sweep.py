@@ -111,6 +111,29 @@ def parallel(tmp_path_factory):
 
 
 @pytest.mark.e2e
+def test_submitit_requeues_a_preempted_job_which_resumes_to_the_sequential_bits(
+    sequential, tmp_path
+):
+    """hydra/launcher=submitit_local (the SLURM launcher's local executor): each job gets
+    the pre-emption notice (SIGUSR2) after step 3; it checkpoints there, submitit requeues
+    it, and with trainer.resume=auto it resumes: the sequential sweep's bits, and a report."""
+    os.environ["REPRO_FAULT_KILL_AFTER_STEP"] = "3"  # the jobs inherit the sweep's
+    os.environ["REPRO_FAULT_SIGNAL"] = "SIGUSR2"
+    try:
+        proc, sweep_dir = sweep(tmp_path, "optim.lr=0.05", "seed=0,1", "trainer.resume=auto",
+                                "hydra/launcher=submitit_local", real=True)  # fmt: skip
+    finally:
+        del os.environ["REPRO_FAULT_KILL_AFTER_STEP"], os.environ["REPRO_FAULT_SIGNAL"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for job in ("0_seed=0", "1_seed=1"):
+        summary = json.loads((sweep_dir / job / "summary.json").read_text())
+        assert [r["step"] for r in summary["resumes"]] == [3], job  # requeued, resumed
+    assert digests(sweep_dir) == {k: v for k, v in digests(sequential).items() if k[0] in "01"}
+    out = repro("report", str(sweep_dir))
+    assert out.returncode == 0 and "2 jobs: 2 finished" in out.stdout, out.stderr
+
+
+@pytest.mark.e2e
 def test_parallel_launcher_gives_the_sequential_bits(sequential, parallel):
     parallel, reference = digests(parallel), digests(sequential)
     assert sorted(parallel) == ["0_seed=0", "1_seed=1"]
