@@ -28,7 +28,7 @@ CONF_DIR = Path(__file__).resolve().parent / "conf"
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float:
     from repro.checkpoint import atomic_write
-    from repro.dist import explain_timeout, launched_world, shutdown
+    from repro.dist import explain_timeout, launched_world, record_elastic_run, shutdown
     from repro.loop import train
 
     hydra_cfg = HydraConfig.get()
@@ -40,6 +40,7 @@ def main(cfg: DictConfig) -> float:
         """The run directory is this run's: record the launch, as Hydra would have."""
         nonlocal taken
         taken = True
+        record_elastic_run(cfg, run_dir)  # where a restart of this group resumes (torchrun)
         (run_dir / ERROR_FILE).unlink(missing_ok=True)  # from an earlier attempt of this job
         launch = run_dir / LAUNCH_DIR
         launch.mkdir(exist_ok=True)
@@ -123,10 +124,10 @@ def _fault_kill():
     rank = os.environ.get("REPRO_FAULT_KILL_RANK")
     if not at or (rank is not None and rank != os.environ.get("RANK", "0")):
         return None
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) > 0:
+    if rank is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) > 0:
         return None
 
-    how = getattr(signal, os.environ.get("REPRO_FAULT_SIGNAL") or "SIGKILL")
+    how = signal.Signals[os.environ.get("REPRO_FAULT_SIGNAL") or "SIGKILL"]
 
     def kill(step: int, model) -> None:
         if step == int(at):

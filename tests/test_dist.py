@@ -143,6 +143,8 @@ def test_a_rank_that_hangs_stops_the_group_after_the_timeout_with_one_line_namin
             time.sleep(0.2)
         proc.wait(timeout=60)
     finally:
+        for worker in workers_of(proc.pid) if proc.poll() is None else []:
+            os.kill(worker, signal.SIGKILL)  # torchrun's ranks are in their own session
         if proc.poll() is None:
             proc.kill()
     errors = [line for line in log.read_text().splitlines() if line.startswith("error: [rank 0/2]")]
@@ -160,31 +162,37 @@ def free_port() -> int:
 def two_nodes(run_dir: Path, rendezvous: str, *overrides: str) -> Run:
     """Two "nodes" on this machine: two torchrun invocations, node ranks 0 and 1, one
     process each, meeting on 127.0.0.1 through ``static`` (--master_addr/--master_port, as
-    a SLURM script gives them) or ``c10d`` (--rdzv-endpoint) rendezvous."""
+    a SLURM script gives them) or ``c10d`` (--rdzv-endpoint) rendezvous. Node 1 starts in
+    a folder of its own and is given a run directory of its own: it must use node 0's and
+    write nothing."""
     port = free_port()
     meet = (
         ["--master_addr=127.0.0.1", f"--master_port={port}"]
         if rendezvous == "static"
         else ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two"]
     )
-    procs = []
-    for node in (0, 1):
-        cmd = train_cmd(f"hydra.run.dir={run_dir}", *SMALL, *overrides)
-        launcher = ["-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}"]
-        cmd[1:1] = [*launcher, "--nproc_per_node=1", *meet]
-        procs.append(
-            launch.popen(
-                cmd,
-                cwd=run_dir.parent,
-                env=user_env(),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )  # fmt: skip
-        )
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    return Run(run_dir, json.loads((run_dir / "summary.json").read_text()), outputs[0])
+    node1 = run_dir.parent / "node1"
+    node1.mkdir()
+    procs, logs = [], [run_dir.parent / "node0.log", node1 / "node1.log"]
+    try:
+        for node, (where, own) in enumerate([(run_dir.parent, run_dir), (node1, node1 / "run")]):
+            cmd = train_cmd(f"hydra.run.dir={own}", *SMALL, *overrides)
+            launcher = ["-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}"]
+            cmd[1:1] = [*launcher, "--nproc_per_node=1", *meet]
+            with open(logs[node], "w") as out:
+                procs.append(launch.popen(cmd, cwd=where, env=user_env(), stdout=out, stderr=out))
+        for p in procs:
+            p.wait(timeout=300)
+    finally:
+        for p in procs:
+            for worker in workers_of(p.pid) if p.poll() is None else []:
+                os.kill(worker, signal.SIGKILL)  # torchrun's ranks are in their own session
+            if p.poll() is None:
+                p.kill()
+    output = logs[0].read_text() + logs[1].read_text()
+    assert [p.returncode for p in procs] == [0, 0], output[-6000:]
+    assert sorted(p.name for p in node1.iterdir()) == ["node1.log"]  # node 1 wrote nothing
+    return Run(run_dir, json.loads((run_dir / "summary.json").read_text()), output)
 
 
 @pytest.mark.e2e
@@ -192,7 +200,6 @@ def test_two_nodes_with_static_rendezvous_give_the_one_process_bits(runs, tmp_pa
     two = two_nodes(tmp_path / "nodes", "static")
     assert two.summary["world_size"] == 2
     assert_same_bits(two, runs(1))
-    assert [p.name for p in tmp_path.iterdir()] == ["nodes"]  # node 1 made no directory
 
 
 @pytest.mark.e2e
@@ -200,6 +207,7 @@ def test_two_nodes_with_c10d_rendezvous_resume_a_one_process_checkpoint_to_its_b
     one = runs(1)
     step10 = one.dir / "checkpoints" / "step-00000010.pt"  # the periodic ones kept: 10, 12
     two = two_nodes(tmp_path / "nodes", "c10d", f"trainer.resume={step10}")
+    assert two.summary["world_size"] == 2
     assert [r["step"] for r in two.summary["resumes"]] == [10]
     assert_same_bits(two, one)
 
@@ -753,7 +761,7 @@ def test_a_peer_lost_while_a_collective_is_in_flight_is_told_apart():
     torchrun names the peer's error as the root cause: a failure in a torch.distributed
     call, or in repro.dist.wait (an asynchronous collective's end), counts; others not."""
     from repro.dist import wait
-    from repro.errors import _inside_a_collective
+    from repro.errors import inside_a_collective
 
     class LostPeer:
         def wait(self):
@@ -761,7 +769,7 @@ def test_a_peer_lost_while_a_collective_is_in_flight_is_told_apart():
 
     with pytest.raises(RuntimeError) as lost:
         wait(LostPeer())
-    assert _inside_a_collective(lost.value)
+    assert inside_a_collective(lost.value)
     with pytest.raises(RuntimeError) as own:
         LostPeer().wait()
-    assert not _inside_a_collective(own.value)
+    assert not inside_a_collective(own.value)

@@ -75,6 +75,7 @@ class PrepareRunCallback(Callback):
             exit_with(err)
         except Exception:  # Hydra would only warn, and run the job without what failed:
             traceback.print_exc()  # a rank that cannot join its group would then hang
+            sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)  # torchrun sees the failure (and restarts the group, if allowed)
 

@@ -137,12 +137,20 @@ def init(dist_cfg: Any, nccl_env: dict[str, str] | None = None, device_name: str
     # this start's own, a restarted rank cannot read a dead rank's address (gloo then
     # failed to connect, or connected to nothing, at random)
     store, rank, size = next(rendezvous("env://", timeout=timeout))
-    store = dist.PrefixStore(f"repro/start_{restart_count()}", store)
+    store = dist.PrefixStore(start_prefix(), store)
     dist.init_process_group(
         backend=backend, store=store, rank=rank, world_size=size, timeout=timeout
     )
     Heartbeat.start(rank, size)
     return current()
+
+
+def start_prefix() -> str:
+    """This start's keys in torchrun's store, which outlives a restart of the group. On one
+    node the restart count is every rank's: a restarted rank then cannot read a dead rank's
+    address (gloo failed to connect, at random). Across nodes the counts can differ, so all
+    starts share one prefix, as torch's own ``env://`` does."""
+    return f"repro/start_{restart_count()}" if single_node_elastic() else "repro"
 
 
 class Heartbeat:
@@ -156,7 +164,7 @@ class Heartbeat:
 
     @staticmethod
     def key(rank: int) -> str:
-        return f"repro/start_{restart_count()}/heartbeat/{rank}"
+        return f"{start_prefix()}/heartbeat/{rank}"
 
     @staticmethod
     def connect(timeout_s: float = 10.0) -> Any:
@@ -170,13 +178,14 @@ class Heartbeat:
     @classmethod
     def start(cls, rank: int, size: int) -> None:
         def beat() -> None:
-            try:
-                store = cls.connect()
-                while True:
+            store = None
+            while True:
+                try:  # a slow connection or a lost one is tried again, next second
+                    store = store or cls.connect()
                     store.add(cls.key(rank), 1)
-                    time.sleep(cls.INTERVAL)
-            except Exception:  # the store is gone: the group is ending anyway
-                return
+                except Exception:
+                    store = None
+                time.sleep(cls.INTERVAL)
 
         threading.Thread(target=beat, name="repro-heartbeat", daemon=True).start()
 
@@ -194,27 +203,36 @@ def silent_ranks(world: World, wait_s: float = SILENT_AFTER_S) -> list[int] | No
         then = [store.add(Heartbeat.key(r), 0) for r in range(world.size)]
     except Exception:
         return None
-    return [r for r in range(world.size) if r != world.rank and then[r] == first[r]]
+    # a counter still at 0 never started (its thread could not connect): not a verdict
+    return [r for r in range(world.size) if r != world.rank and 0 < then[r] == first[r]]
 
 
 def explain_timeout(error: BaseException, world: World, timeout_s: int) -> ReproError | None:
-    """A collective that timed out, as one line naming the ranks that stopped answering
-    (:class:`Heartbeat`); None for any other error."""
-    text = str(error)
-    if not world.distributed or not re.search(r"[Tt]imed out|[Tt]imeout", text):
+    """A collective of this process group that timed out ("Timed out waiting ...",
+    "Application timeout caused pair closure"), raised inside it (not a download's), as
+    one line naming the ranks that stopped answering (:class:`Heartbeat`) after the error's
+    own first line; None for any other error."""
+    from repro.errors import inside_a_collective
+
+    text = (str(error).strip().splitlines() or [""])[0]
+    if (
+        not world.distributed
+        or isinstance(error, ReproError)
+        or not re.search(r"time[d ]?out", text, re.IGNORECASE)  # gloo's words vary
+        or not inside_a_collective(error)
+    ):
         return None
     silent = silent_ranks(world)
     if silent is None:
         who = "a rank stopped answering (torchrun's store cannot be reached to say which)"
     elif not silent:
-        who = "every rank still answers: one may be stuck in its own code (a deadlock)"
+        who = "every rank's heartbeat still moves: one may be stuck in its own code"
     else:
         names = ", ".join(f"rank {r}" for r in silent)
         who = f"{names} of {world.size} stopped answering (no heartbeat in {SILENT_AFTER_S:.0f} s)"
     return ReproError(
-        f"a collective waited dist.timeout_s={timeout_s} s: {who}; the group stops. Look at "
-        "that rank's host (stopped, swapped out, a GPU gone), then resume with "
-        "trainer.resume=auto."
+        f"a collective waited dist.timeout_s={timeout_s} s: {who}; the group stops "
+        f"({type(error).__name__}: {text}). Resume with trainer.resume=auto."
     )
 
 
@@ -346,44 +364,68 @@ def moves_cuda_tensors(world: World) -> bool:
 
 
 def restart_count() -> int:
-    """How many times ``torchrun --max-restarts`` has restarted this group: 0 at its first
-    start, and outside torchrun."""
+    """How many times ``torchrun --max-restarts`` has restarted this group on one node: 0 at
+    its first start, and outside torchrun. Used only when every rank is on one node: torchrun
+    counts per node, and a node whose ranks did not fail does not count the restart."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
 
-def elastic_run_dir(config: Any) -> str:
-    """Rank 0's run directory, the same over torchrun's restarts of one group: the first
-    start records it in ``<paths.output_dir>/.torchelastic/<TORCHELASTIC_RUN_ID>.json``, a
-    restarted group reads it back (a new timestamp would start the run over elsewhere)."""
-    run_dir = str(config.hydra.run.dir)
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if not run_id or not int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0):
-        return run_dir  # no restart to come
-    record = Path(str(config.paths.output_dir)) / ".torchelastic" / f"{run_id}.json"
-    if restart_count() == 0:
+def single_node_elastic() -> bool:
+    """Under ``torchrun --max-restarts`` with every rank on this node (one agent, one count)."""
+    env = os.environ
+    return (
+        int(env.get("TORCHELASTIC_MAX_RESTARTS") or 0) > 0
+        and env.get("LOCAL_WORLD_SIZE") is not None
+        and env.get("LOCAL_WORLD_SIZE") == env.get("WORLD_SIZE")
+    )
+
+
+def _elastic_record(output_dir: str) -> Path:
+    """Where this torchrun's first start records the run directory it took: keyed by the run
+    id and torchrun's own process (the ranks' parent), so another launch never reads it."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return Path(output_dir) / ".torchelastic" / f"{run_id}-{os.getppid()}.json"
+
+
+def record_elastic_run(config: Any, run_dir: Path) -> None:
+    """Rank 0, once the run directory is this run's: where a restart of this group resumes
+    (:func:`elastic_resume`)."""
+    if single_node_elastic() and restart_count() == 0:
+        record = _elastic_record(str(config.paths.output_dir))
         record.parent.mkdir(parents=True, exist_ok=True)
-        record.write_text(json.dumps({"run_dir": run_dir}))
-        return run_dir
+        tmp = record.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"run_dir": str(run_dir)}))
+        os.replace(tmp, record)
+
+
+def elastic_resume(config: Any) -> str | None:
+    """On a restart of a single-node group: the run directory its first start took (None
+    when it took none: it was refused, or failed before), to resume there."""
+    if not single_node_elastic() or restart_count() == 0:
+        return None
     try:
+        record = _elastic_record(str(config.paths.output_dir))
         return str(json.loads(record.read_text())["run_dir"])
-    except (OSError, ValueError, KeyError):  # not recorded: this start's own directory
-        return run_dir
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def join_hydra_run(config: Any, world: World) -> None:
     """Under torchrun, before Hydra creates the run directory: every rank takes rank 0's
     ``hydra.run.dir`` (its timestamp and run id), and ranks > 0 write nothing there (no
     ``.hydra/``, no log file) and log warnings and errors only, marked with their rank.
-    A group that ``torchrun --max-restarts`` restarted after a rank failed takes the first
-    start's directory and resumes there (``trainer.resume=auto``, unless set): no flag to
-    remember, and the uninterrupted run's bits."""
+    A single-node group that ``torchrun --max-restarts`` restarted after a rank failed
+    takes the directory its first start took and resumes there (``trainer.resume=auto``):
+    no flag to remember, and the uninterrupted run's bits. (Across nodes give
+    ``trainer.resume=auto`` and ``hydra.run.dir`` yourself: docs/distributed.md.)"""
     from omegaconf import open_dict, read_write
 
     if not world.distributed:
         return
-    run_dir = broadcast_object(elastic_run_dir(config) if world.main else None, world)
-    with read_write(config), open_dict(config):
-        if restart_count() > 0 and config.trainer.get("resume") is None:
+    resumed = elastic_resume(config) if world.main else None
+    run_dir = broadcast_object(resumed or str(config.hydra.run.dir) if world.main else None, world)
+    if broadcast_object(resumed is not None, world):  # the first start's directory: resume
+        with read_write(config), open_dict(config):  # it (a resume it was given is used up)
             config.trainer.resume = "auto"
     with read_write(config.hydra), open_dict(config.hydra):
         config.hydra.run.dir = run_dir

@@ -68,7 +68,7 @@ def report_error(error: BaseException) -> None:
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-        if _inside_a_collective(error):
+        if inside_a_collective(error):
             # most likely a peer failed first and this rank lost it mid-collective: record
             # later, so that torchrun (which names the earliest record, to the second) shows
             # the peer's error as the root cause (it may stop this rank before: fine)
@@ -77,7 +77,7 @@ def report_error(error: BaseException) -> None:
         ErrorHandler().record_exception(error)
 
 
-def _inside_a_collective(error: BaseException) -> bool:
+def inside_a_collective(error: BaseException) -> bool:
     """Was ``error`` raised inside ``torch.distributed`` (a collective, a barrier) or while
     waiting for a collective in flight (:func:`repro.dist.wait`)?"""
     tb, last = error.__traceback__, None
