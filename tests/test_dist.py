@@ -99,10 +99,19 @@ def test_torchrun_restarts_a_group_whose_rank_was_killed_and_it_resumes_by_itsel
     cmd = [*train_cmd(*SMALL, f"paths.output_dir={outputs}", nproc=2)]
     cmd.insert(cmd.index("--standalone"), "--max-restarts=1")
     env = user_env(REPRO_FAULT_KILL_AFTER_STEP="7", REPRO_FAULT_KILL_RANK="1")
-    proc = launch.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = tmp_path / "torchrun.log"
+    with open(log, "w") as out:
+        proc = launch.popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=out)
+    try:
+        proc.wait(timeout=300)
+    finally:
+        for worker in workers_of(proc.pid) if proc.poll() is None else []:
+            os.kill(worker, signal.SIGKILL)  # torchrun's ranks are in their own session
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, log.read_text()[-3000:]
     (run_dir,) = [p.parent for p in outputs.glob("*/*/summary.json")]  # one directory
-    restarted = Run(run_dir, json.loads((run_dir / "summary.json").read_text()), proc.stderr)
+    restarted = Run(run_dir, json.loads((run_dir / "summary.json").read_text()), log.read_text())
     assert [r["step"] for r in restarted.summary["resumes"]] == [5]
     assert_same_bits(restarted, runs(1))
     (record,) = (outputs / ".torchelastic").iterdir()  # where the restart found it
