@@ -105,10 +105,7 @@ def test_torchrun_restarts_a_group_whose_rank_was_killed_and_it_resumes_by_itsel
     try:
         proc.wait(timeout=300)
     finally:
-        for worker in workers_of(proc.pid) if proc.poll() is None else []:
-            os.kill(worker, signal.SIGKILL)  # torchrun's ranks are in their own session
-        if proc.poll() is None:
-            proc.kill()
+        stop_torchrun(proc)
     assert proc.returncode == 0, log.read_text()[-3000:]
     (run_dir,) = [p.parent for p in outputs.glob("*/*/summary.json")]  # one directory
     restarted = Run(run_dir, json.loads((run_dir / "summary.json").read_text()), log.read_text())
@@ -121,6 +118,15 @@ def test_torchrun_restarts_a_group_whose_rank_was_killed_and_it_resumes_by_itsel
 def workers_of(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
     return [int(w) for w in out.split()]
+
+
+def stop_torchrun(proc) -> None:
+    """A torchrun still running after a test (it failed): kill its ranks, which run in a
+    session of their own and would outlive it, then torchrun."""
+    if proc.poll() is None:
+        for worker in workers_of(proc.pid):
+            os.kill(worker, signal.SIGKILL)
+        proc.kill()
 
 
 def rank_of(pid: int) -> int:
@@ -152,10 +158,7 @@ def test_a_rank_that_hangs_stops_the_group_after_the_timeout_with_one_line_namin
             time.sleep(0.2)
         proc.wait(timeout=60)
     finally:
-        for worker in workers_of(proc.pid) if proc.poll() is None else []:
-            os.kill(worker, signal.SIGKILL)  # torchrun's ranks are in their own session
-        if proc.poll() is None:
-            proc.kill()
+        stop_torchrun(proc)
     errors = [line for line in log.read_text().splitlines() if line.startswith("error: [rank 0/2]")]
     assert proc.returncode != 0 and len(errors) == 1, log.read_text()[-3000:]
     assert "dist.timeout_s=5 s: rank 1 of 2 stopped answering" in errors[0]
@@ -194,10 +197,7 @@ def two_nodes(run_dir: Path, rendezvous: str, *overrides: str) -> Run:
             p.wait(timeout=300)
     finally:
         for p in procs:
-            for worker in workers_of(p.pid) if p.poll() is None else []:
-                os.kill(worker, signal.SIGKILL)  # torchrun's ranks are in their own session
-            if p.poll() is None:
-                p.kill()
+            stop_torchrun(p)
     output = logs[0].read_text() + logs[1].read_text()
     assert [p.returncode for p in procs] == [0, 0], output[-6000:]
     assert sorted(p.name for p in node1.iterdir()) == ["node1.log"]  # node 1 wrote nothing

@@ -209,7 +209,7 @@ def silent_ranks(world: World, wait_s: float = SILENT_AFTER_S) -> list[int] | No
 
 def explain_timeout(error: BaseException, world: World, timeout_s: int) -> ReproError | None:
     """A collective of this process group that timed out ("Timed out waiting ...",
-    "Application timeout caused pair closure"), raised inside it (not a download's), as
+    "Application timeout caused pair closure"), raised by it (not a download's), as
     one line naming the ranks that stopped answering (:class:`Heartbeat`) after the error's
     own first line; None for any other error."""
     from repro.errors import inside_a_collective
@@ -219,7 +219,11 @@ def explain_timeout(error: BaseException, world: World, timeout_s: int) -> Repro
         not world.distributed
         or isinstance(error, ReproError)
         or not re.search(r"time[d ]?out", text, re.IGNORECASE)  # gloo's words vary
-        or not inside_a_collective(error)
+        or not (  # the process group's own: not a download's or a file system's timeout
+            inside_a_collective(error)
+            or isinstance(error, dist.DistError)
+            or re.search(r"gloo|nccl", text, re.IGNORECASE)
+        )
     ):
         return None
     silent = silent_ranks(world)
