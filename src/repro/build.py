@@ -173,8 +173,8 @@ def uses_channels_last(setting: Any, model: nn.Module, device: torch.device) -> 
     """``trainer.channels_last``: true or false as set; ``auto``: on for a CUDA run of a
     model with 2-D convolutions (cuDNN's NHWC kernels, faster there: docs/speed.md), off
     elsewhere: on a CPU, and for a model without a Conv2d, whose kernels the format would
-    not change. Another format is other kernels, other bits: the
-    value chosen is recorded in the run's config before its hash (:meth:`Run.resolved`)."""
+    not change. Another format is other kernels, other bits: the value chosen is recorded in
+    the run's config before its hash (:meth:`repro.loop.Run.resolved`)."""
     if setting == "auto":
         return device.type == "cuda" and any(isinstance(m, nn.Conv2d) for m in model.modules())
     return bool(setting)

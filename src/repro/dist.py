@@ -158,7 +158,7 @@ class Heartbeat:
     a thread of its own (over its own connection), so that when a collective times out
     (``dist.timeout_s``) the ranks that stopped answering can be named:
     :func:`silent_ranks`. A rank stopped (SIGSTOP), swapped out or frozen stops counting;
-    one stuck in Python code keeps counting, and is named by elimination."""
+    one stuck in its own code keeps counting, and the verdict then says no rank went silent."""
 
     INTERVAL = 1.0
 
@@ -395,11 +395,11 @@ def record_elastic_run(config: Any, run_dir: Path) -> None:
     """Rank 0, once the run directory is this run's: where a restart of this group resumes
     (:func:`elastic_resume`)."""
     if single_node_elastic() and restart_count() == 0:
+        from repro.rundir import write_json  # atomically
+
         record = _elastic_record(str(config.paths.output_dir))
         record.parent.mkdir(parents=True, exist_ok=True)
-        tmp = record.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"run_dir": str(run_dir)}))
-        os.replace(tmp, record)
+        write_json(record, {"run_dir": str(run_dir)})
 
 
 def elastic_resume(config: Any) -> str | None:
@@ -427,9 +427,10 @@ def join_hydra_run(config: Any, world: World) -> None:
     if not world.distributed:
         return
     resumed = elastic_resume(config) if world.main else None
-    run_dir = broadcast_object(resumed or str(config.hydra.run.dir) if world.main else None, world)
-    if broadcast_object(resumed is not None, world):  # the first start's directory: resume
-        with read_write(config), open_dict(config):  # it (a resume it was given is used up)
+    chosen = (resumed or str(config.hydra.run.dir), resumed is not None) if world.main else None
+    run_dir, resume = broadcast_object(chosen, world)
+    if resume:  # the first start's directory: resume it (a resume it was given is used up)
+        with read_write(config), open_dict(config):
             config.trainer.resume = "auto"
     with read_write(config.hydra), open_dict(config.hydra):
         config.hydra.run.dir = run_dir
