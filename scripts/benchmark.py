@@ -124,12 +124,13 @@ READMES_COMMAND = {
     "segmentation": ["experiment=segmentation"],  # the 64x64 preset
     "unet": UNET,  # the preset's UNet at 128x128 (fp32)
 }
-# (name, overrides added to the command, or None for the reference; compiled)
+# (name, overrides added to the command -- or an int, that many micro-batches a step, the
+# cell skipped when the command's K is that already -- or None for the reference; compiled)
 REFERENCE_CELLS = [
     ("defaults", [], False),
     ("defaults, fast mode", ["determinism=fast"], False),
-    ("defaults, one micro-batch", ["MICRO_BATCHES=1"], False),  # each skipped when the
-    ("defaults, 2 micro-batches", ["MICRO_BATCHES=2"], False),  # command's K is that already
+    ("defaults, one micro-batch", 1, False),
+    ("defaults, 2 micro-batches", 2, False),
     ("defaults, compiled", ["trainer.compile=default"], False),
     ("loader=multi, contiguous", ["loader=multi", "trainer.channels_last=false"], False),
     ("reference eager", None, False),
@@ -151,11 +152,10 @@ def reference_comparison(args: argparse.Namespace, tmp: Path) -> list[dict]:
         one = [f"trainer.micro_batch_size={batch}"]
         cells = []
         for name, overrides, compiled in chosen:
-            if overrides and overrides[0].startswith("MICRO_BATCHES="):
-                want = int(overrides[0].split("=")[1])
-                if want == k:
+            if isinstance(overrides, int):
+                if overrides == k:
                     continue
-                overrides = [f"trainer.micro_batch_size={batch // want}"]
+                overrides = [f"trainer.micro_batch_size={batch // overrides}"]
             cells.append((name, overrides, compiled))
         res: dict[str, list[dict]] = {name: [] for name, _, _ in cells}
         for i in range(args.repeats):
