@@ -165,6 +165,25 @@ def test_a_rank_that_hangs_stops_the_group_after_the_timeout_with_one_line_namin
     assert time.monotonic() - stopped_at < 60
 
 
+def test_a_collective_timeout_is_explained_and_other_timeouts_are_not(monkeypatch):
+    """gloo's two ways of saying it (both met in the hang test) become the one-line verdict
+    (here without a store to read: it says so); a download's timeout and a lost peer do not."""
+    from repro.dist import explain_timeout
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    world = World(0, 2)
+    for text in (
+        "[/x/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv",
+        "[/x/gloo/transport/tcp/pair.cc:589] Application timeout caused pair closure",
+    ):
+        verdict = str(explain_timeout(RuntimeError(text), world, 5))
+        assert verdict.startswith("a collective waited dist.timeout_s=5 s: a rank stopped")
+        assert text in verdict  # the error's own line kept
+    assert explain_timeout(TimeoutError("The read operation timed out"), world, 5) is None
+    assert explain_timeout(RuntimeError("[gloo] Connection reset by peer"), world, 5) is None
+    assert explain_timeout(RuntimeError("gloo: timed out"), World(0, 1), 5) is None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

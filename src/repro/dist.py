@@ -218,7 +218,7 @@ def explain_timeout(error: BaseException, world: World, timeout_s: int) -> Repro
     if (
         not world.distributed
         or isinstance(error, ReproError)
-        or not re.search(r"time[d ]?out", text, re.IGNORECASE)  # gloo's words vary
+        or not re.search(r"timed out|timeout", text, re.IGNORECASE)  # gloo's words vary
         or not (  # the process group's own: not a download's or a file system's timeout
             inside_a_collective(error)
             or isinstance(error, dist.DistError)
