@@ -324,8 +324,9 @@ def broken_links(root=ROOT) -> list[str]:
 
 # what an option needs to compose that its YAML leaves required (???)
 NEEDS = {
-    "image_folder": ["data.path=/tmp"],
-    "image_mask_folder": ["data.path=/tmp", "data.num_classes=3"],
+    "data=image_folder": ["data.path=/tmp"],
+    "data=image_mask_folder": ["data.path=/tmp", "data.num_classes=3"],
+    "experiment=segmentation_native": ["data.path=/tmp", "data.num_classes=3"],
 }
 
 
@@ -336,7 +337,7 @@ def compose_option(group: str, option: str, conf_dir: Path = CONF_DIR) -> str:
     from repro.config import compose
     from repro.errors import MissingPackage
 
-    extra = NEEDS.get(option, []) if group == "data" else []
+    extra = NEEDS.get(f"{group}={option}", [])
     if group == "hparams_search" and (conf_dir / "experiment" / f"{option}.yaml").is_file():
         extra = [f"experiment={option}"]  # a preset's search runs with that preset
     selected = f"{group}=[{option}]" if group == "logger" else f"{group}={option}"

@@ -69,6 +69,11 @@ def assert_same_bits(run: Run, reference: Run) -> None:
 # ------------------------------------------------------------------------- the task
 
 
+def scored(task: Segmentation, outputs: torch.Tensor, targets: torch.Tensor) -> dict:
+    """The task's metrics of one batch, as the evaluation computes them."""
+    return task.metrics(task.statistics(outputs, targets), task.per_sample(outputs, targets))
+
+
 def test_metrics_are_exact_counts_whatever_the_eval_batch_size():
     g = torch.Generator().manual_seed(0)
     outputs = torch.randn(10, 4, 12, 12, generator=g)
@@ -76,23 +81,25 @@ def test_metrics_are_exact_counts_whatever_the_eval_batch_size():
     targets[3, :4] = IGNORE
     task = Segmentation(num_classes=4)
 
-    def summed(batch: int) -> dict:
-        totals = {}
+    def summed(batch: int) -> tuple[dict, dict]:
+        totals, rows = {}, []
         for i in range(0, 10, batch):
-            for k, v in task.statistics(outputs[i : i + batch], targets[i : i + batch]).items():
+            part = outputs[i : i + batch], targets[i : i + batch]
+            for k, v in task.statistics(*part).items():
                 totals[k] = totals[k] + v if k in totals else v
-        return totals
+            rows.append(task.per_sample(*part))
+        return totals, {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
 
     whole = summed(10)
-    assert whole["confusion"].dtype == torch.int64
+    assert whole[0]["confusion"].dtype == torch.int64
     for batch in (1, 3, 4):
         totals = summed(batch)
-        assert torch.equal(totals["confusion"], whole["confusion"])
-        metrics, reference = task.metrics(totals), task.metrics(whole)
+        assert torch.equal(totals[0]["confusion"], whole[0]["confusion"])
+        metrics, reference = task.metrics(*totals), task.metrics(*whole)
         assert {k: v for k, v in metrics.items() if k != "val_loss"} == {
             k: v for k, v in reference.items() if k != "val_loss"
         }
-    assert int(whole["confusion"].sum()) == 10 * 144 - 4 * 12  # ignored pixels not scored
+    assert int(whole[0]["confusion"].sum()) == 10 * 144 - 4 * 12  # ignored pixels not scored
 
 
 def test_dice_and_iou_follow_their_definitions():
@@ -101,7 +108,7 @@ def test_dice_and_iou_follow_their_definitions():
     pred = torch.tensor([[[0, 1, 1, 1, 2, 0]]])
     outputs = torch.nn.functional.one_hot(pred, 3).permute(0, 3, 1, 2).float()
     task = Segmentation(num_classes=3)
-    m = task.metrics(task.statistics(outputs, targets))
+    m = scored(task, outputs, targets)
     # class 1: TP 2, FP 1, FN 0; class 2: TP 1, FP 0, FN 1; class 0: TP 1, FP 1, FN 1
     assert m["val_dice_1"] == 4 / 5 and m["val_iou_1"] == 2 / 3
     assert m["val_dice_2"] == 2 / 3 and m["val_iou_2"] == 1 / 2
@@ -109,8 +116,46 @@ def test_dice_and_iou_follow_their_definitions():
     assert m["val_dice"] == (4 / 5 + 2 / 3) / 2  # the background left out of the mean
     assert m["val_pixel_accuracy"] == 4 / 6
     with_background = Segmentation(num_classes=3, include_background=True)
-    m = with_background.metrics(with_background.statistics(outputs, targets))
+    m = scored(with_background, outputs, targets)
     assert m["val_dice"] == (2 / 4 + 4 / 5 + 2 / 3) / 3
+
+
+def one_hot_outputs(pred: torch.Tensor, classes: int) -> torch.Tensor:
+    return torch.nn.functional.one_hot(pred, classes).permute(0, 3, 1, 2).float()
+
+
+def test_the_headline_is_the_per_image_mean_and_the_pooled_value_is_kept():
+    # two 1×4 images, classes background / nucleus / boundary
+    targets = torch.tensor([[[1, 1, 1, 1]], [[0, 0, 0, 2]]])
+    pred = torch.tensor([[[1, 1, 1, 1]], [[0, 0, 1, 2]]])
+    task = Segmentation(num_classes=3, class_names=["background", "nucleus", "boundary"])
+    m = scored(task, one_hot_outputs(pred, 3), targets)
+    # nucleus: image 0 Dice 1, image 1 has no reference nucleus but predicts one: 0
+    assert m["val_dice_nucleus"] == (1 + 0) / 2
+    assert m["val_dice_nucleus_pooled"] == 2 * 4 / (2 * 4 + 1 + 0)
+    # boundary: image 0 has none in reference or prediction: left out and counted
+    assert m["val_dice_boundary"] == 1.0 and m["val_empty_boundary"] == 1
+    assert m["val_dice"] == (0.5 + 1.0) / 2
+    assert m["val_dice_pooled"] == (8 / 9 + 1.0) / 2  # today's pooled value, kept
+    samples = task.per_sample(one_hot_outputs(pred, 3), targets)
+    assert samples["tp_nucleus"].tolist() == [4, 0] and samples["fp_nucleus"].tolist() == [0, 1]
+
+
+def test_a_union_of_classes_is_scored_as_one_class():
+    targets = torch.tensor([[[1, 2, 0, 0]]])
+    pred = torch.tensor([[[2, 1, 0, 0]]])  # nucleus and boundary swapped: the cell is right
+    task = Segmentation(
+        num_classes=3,
+        class_names=["background", "nucleus", "boundary"],
+        unions={"cell": ["nucleus", 2]},
+    )
+    m = scored(task, one_hot_outputs(pred, 3), targets)
+    assert m["val_dice_nucleus"] == 0 and m["val_dice_cell"] == 1.0
+    assert "val_dice_cell" not in {f"val_dice_{n}" for n in task.names}  # not in the mean
+    with pytest.raises(ConfigError, match="task.unions.cell"):
+        Segmentation(num_classes=3, class_names=["a", "b", "c"], unions={"cell": ["b", "x"]})
+    with pytest.raises(ConfigError, match="class names"):
+        Segmentation(num_classes=3, class_names=["a", "a", "c"])
 
 
 def test_ignored_pixels_change_neither_loss_nor_metrics():
@@ -122,9 +167,7 @@ def test_ignored_pixels_change_neither_loss_nor_metrics():
     other[:, :, :2] = torch.randn(2, 3, 2, 8, generator=g)  # predictions where not scored
     task = Segmentation(num_classes=3)
     assert torch.equal(task.loss(outputs, targets), task.loss(other, targets))
-    assert task.metrics(task.statistics(outputs, targets)) == task.metrics(
-        task.statistics(other, targets)
-    )
+    assert scored(task, outputs, targets) == scored(task, other, targets)
 
 
 def test_the_cross_entropy_formulations_agree():
@@ -253,11 +296,12 @@ def test_image_mask_folder_is_read_lazily_with_its_masks(tmp_path, monkeypatch):
     assert isinstance(d.train, LazyImageMasks) and isinstance(d, DataSplits)
     assert reads == []  # listed, not read
     d.with_augmentation(KeyedPipeline(CropFlip(32), 0), KeyedPipeline(Resize(32), 0))
-    assert len(reads) == len(d.train)  # the normalisation's sample (all 18 < 256), nothing else
+    assert len(reads) == len(d.train)  # the normalisation's sample (all 17 < 256), nothing else
     reads.clear()
     d.train.fetch(torch.tensor([3]))
     assert reads == [d.train.images[3]]  # a fetch reads what it is asked for
-    assert len(d.train) == 18 and len(d.val) == 6 and d.in_channels == 3
+    # a keyed hash of each stem (tests/test_splits.py): these 24 stems give 17 and 7
+    assert len(d.train) == 17 and len(d.val) == 7 and d.in_channels == 3
     stems = [int(p.stem) for p in d.train.images]
     images, masks = d.train.fetch(torch.tensor([0, 1]))
     assert torch.equal(torch.stack(masks), source.train.labels[stems[:2]])  # exact (PNG)
@@ -267,7 +311,7 @@ def test_image_mask_folder_is_read_lazily_with_its_masks(tmp_path, monkeypatch):
         str(tmp_path / "data"), num_classes=4, image_size=32, val_fraction=0.25, test_fraction=0.25
     )
     split = {s: set(getattr(held, s).images) for s in ("train", "val", "test")}
-    assert len(split["test"]) == 6 and len(split["train"]) == 12
+    assert len(split["test"]) == 6 and len(split["train"]) == 11
     assert not split["test"] & (split["train"] | split["val"])
     assert split["val"] == set(d.val.images)  # the same validation split as without it
     assert all(m.stem == i.stem for i, m in zip(held.test.images, held.test.masks, strict=True))
@@ -352,7 +396,12 @@ def test_summary_and_logs_lead_with_val_dice(reference):
     s = reference.summary
     assert s["headline"] == "val_dice" and 0 <= s["val_dice"] <= 1
     header = (reference.dir / "eval.csv").read_text().splitlines()[0].split(",")
-    assert {"val_dice", "val_iou", "val_dice_1", "val_iou_3"} <= set(header)
+    # the shapes' classes by name; per image, and pooled over the split's pixels
+    assert {"val_dice", "val_iou", "val_dice_disc", "val_iou_triangle"} <= set(header)
+    assert {"val_dice_pooled", "val_dice_disc_pooled", "val_empty_square"} <= set(header)
+    rows = (reference.dir / "val_per_image.csv").read_text().splitlines()
+    assert rows[0].startswith("step,sample,tp_background,fp_background,fn_background")
+    assert len(rows) == 1 + 64 and rows[1].startswith("30,0,")  # the last evaluation's
 
 
 def test_dice_rises_well_above_chance(tmp_path):

@@ -5,7 +5,7 @@ Everything swappable arrives by ``_target_`` (``conf/data``, ``conf/model``, ``c
 the run already knows, only the keys its signature takes (:func:`instantiate_target`):
 
 - ``model``: ``num_classes`` and ``in_channels`` (from the dataset);
-- ``task``: ``num_classes``;
+- ``task``: ``num_classes`` and ``class_names`` (the data's, when it names its classes);
 - ``schedule``: ``max_steps``.
 
 A key the config sets itself is not overridden. A target that takes ``**kwargs`` gets
@@ -24,7 +24,7 @@ import inspect
 import logging
 import os
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ from repro.ema import WeightAverage
 from repro.errors import ConfigError, DataError, ReproError
 from repro.rng import derive_seed
 from repro.running_stats import RunningStats
+from repro.sliding_window import Window
 from repro.tasks import Task
 
 # Passed into a target's **kwargs when its signature does not name the key.
@@ -133,6 +134,7 @@ def build_augmentation(cfg: DictConfig, data: DataSplits) -> DataSplits:
         (images[0], targets[0]),
         (val_images[0], val_targets[0]),
         data.image_size,
+        native=str(cfg.get("inference", {}).get("mode", "pipeline")) == "native",
     )
     return data.with_augmentation(built["train"], built["eval"])
 
@@ -207,7 +209,8 @@ def _memory_format(channels_last: bool) -> torch.memory_format:
 
 
 def build_task(cfg: DictConfig, data: DataSplits) -> Task:
-    task = instantiate_target(cfg.task, "task", num_classes=data.num_classes)
+    names = list(data.class_names) if data.class_names else None
+    task = instantiate_target(cfg.task, "task", num_classes=data.num_classes, class_names=names)
     missing = [m for m in ("loss", "statistics", "metrics") if not callable(getattr(task, m, None))]
     if missing or not isinstance(getattr(task, "headline", None), str):
         raise ConfigError(
@@ -301,7 +304,10 @@ def _device_loader_fits(ld: DictConfig, data: DataSplits, device: torch.device) 
     if not pipeline.device_capable:
         return f"multi: augment.train ({pipeline.name}) runs sample by sample on the host"
     size = pipeline.size or int(split.images.shape[-1])
-    per_sample = split.images.shape[1] * size * size + split.labels[:1].numel() * 8
+    per_sample = (  # bytes: uint8 or float32 images
+        split.images.shape[1] * size * size * split.images.element_size()
+        + split.labels[:1].numel() * 8
+    )
     need = 2 * len(split) * per_sample  # the split and its augmented copy, each epoch
     free, _ = torch.cuda.mem_get_info(device)
     limit = float(ld.device_fraction) * free
@@ -368,6 +374,7 @@ class Training:
     clip_grad_norm: float | None = None  # optim.clip_grad_norm: the global norm's limit
     ema: WeightAverage | None = None  # trainer.ema: the weights evaluations see
     channels_last: bool = False  # the model's memory format, so the inputs' (trainer.channels_last)
+    window: Window = field(default_factory=Window)  # inference.*: how evaluation sees an image
 
     def evaluated_weights(self) -> AbstractContextManager:
         """Inside: the weights evaluations see -- the average with ``trainer.ema``, else the
@@ -396,6 +403,7 @@ def build_training(cfg: DictConfig, data: DataSplits, device: torch.device) -> T
         clip_grad_norm=_optional_float(cfg.optim.get("clip_grad_norm")),
         ema=_weight_average(cfg.trainer.ema, model),
         channels_last=uses_channels_last(cfg.trainer.channels_last, model, device),
+        window=Window.from_config(cfg.get("inference"), data.image_size),
     )
 
 

@@ -395,6 +395,11 @@ ABSENT_MEANS = {
     "optim.clip_grad_norm": None,
     "trainer.overfit_batch": False,
     "data.test_fraction": 0.0,  # image_folder, image_mask_folder: no test split
+    # image_folder, image_mask_folder before data.intensity: 8-bit read as today's auto
+    "data.intensity.mode": "auto",
+    "data.intensity.range": None,
+    "data.intensity.percentiles": [0.5, 99.5],
+    "data.intensity.clip": None,
 }
 # Values of a relevant key that give the same bits (mapped to one before comparing).
 SAME_BITS = {"dist.reduction": {"ordered_allgather": "ordered"}}  # one tree, other collectives

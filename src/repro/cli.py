@@ -189,19 +189,30 @@ def _prepared(args: argparse.Namespace):
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    """A run's checkpoint on its data's test split (or --split val), under the run's config
-    and determinism settings: the same bits as trainer.test=true gave at the end of the run."""
-    from repro.inference import choose_checkpoint, evaluate_checkpoint
+    """A run's checkpoint on its data's test split (or --split val, or every file of an
+    annotated --folder), under the run's config and determinism settings: the same bits as
+    trainer.test=true gave at the end of the run."""
+    from repro.inference import choose_checkpoint, evaluate_checkpoint, evaluate_folder
 
+    out = Path(args.out) if args.out else None
+    per_sample = out.with_name(f"{out.stem}_per_image.csv") if out else None
+    for path in (out, per_sample):
+        if path is not None and path.exists():
+            raise ReproError(f"{path}: exists; give another --out (nothing was overwritten).")
+    folder = Path(args.folder) if args.folder else None
+    if folder is not None and not folder.is_dir():
+        raise ReproError(f"--folder {folder}: not a directory; give an annotated folder.")
     cfg, device = _prepared(args)
     checkpoint = choose_checkpoint(Path(args.run_dir), cfg, args.checkpoint)
-    result = evaluate_checkpoint(cfg, checkpoint, device, args.split, force=args.force)
+    if folder is not None:
+        result = evaluate_folder(cfg, checkpoint, device, folder, args.force, per_sample)
+    else:
+        result = evaluate_checkpoint(
+            cfg, checkpoint, device, args.split, force=args.force, per_sample=per_sample
+        )
     text = json.dumps(result, indent=2)
     print(text)
-    if args.out:
-        out = Path(args.out)
-        if out.exists():
-            raise ReproError(f"{out}: exists; give another --out (nothing was overwritten).")
+    if out is not None:
         out.write_text(text + "\n")
     return 0
 
@@ -218,7 +229,9 @@ def cmd_predict(args: argparse.Namespace) -> int:
         raise ReproError(f"{inputs}: not a directory; give a folder of images.")
     cfg, device = _prepared(args)
     checkpoint = choose_checkpoint(Path(args.run_dir), cfg, args.checkpoint)
-    count = predict(cfg, checkpoint, device, inputs, out, force=args.force)
+    count = predict(
+        cfg, checkpoint, device, inputs, out, args.force, args.probabilities, args.overlay
+    )
     print(f"{count} inputs, {checkpoint.name}: wrote {out}", file=sys.stderr)
     return 0
 
@@ -365,9 +378,28 @@ def build_parser() -> argparse.ArgumentParser:
         )
         if name == "evaluate":
             p.add_argument("--split", default="test", choices=["test", "val"])
-            p.add_argument("--out", help="also write the result here (JSON)")
+            p.add_argument(
+                "--folder",
+                help="evaluate every file of this annotated folder instead (the run's layout: "
+                "images/ and masks/, or a sub-folder per class); metrics named external_*",
+            )
+            p.add_argument(
+                "--out",
+                help="also write the result here (JSON), and each sample's row beside it "
+                "(<name>_per_image.csv)",
+            )
         else:
             p.add_argument("--out", required=True, help="CSV file (classification) or folder")
+            p.add_argument(
+                "--probabilities",
+                action="store_true",
+                help="segmentation: also <file>.npy, each class's probability (float32 C×H×W)",
+            )
+            p.add_argument(
+                "--overlay",
+                action="store_true",
+                help="segmentation: also <file>.overlay.png, the image tinted by its classes",
+            )
         p.set_defaults(func=func)
     p = sub.add_parser("new", help=_doc(cmd_new), description=cmd_new.__doc__)
     p.add_argument("name", nargs="?", help="the project's name: a lowercase identifier (mylab)")

@@ -6,7 +6,9 @@ masks. The per-seed differences cancel that shared noise, so a **paired** compar
 seeds both groups finished (a t-test on the differences) is sharper than two means side by
 side -- by how much, the pairs' correlation says. Where fewer than two seeds are common to
 both, the groups are compared unpaired (Welch's t-test). The statistics are in
-:mod:`repro.stats`; docs/tools.md explains how to read them.
+:mod:`repro.stats`; docs/tools.md explains how to read them. Cross-validated groups
+(``data.fold``) pair a job with the other group's job of the same seed *and* fold: the same
+training and validation files.
 
 A verdict in words goes with each: "higher by 0.012 [0.004, 0.020], paired over 5 seeds", or
 "can't tell: the interval spans 0; about N seeds would resolve a difference of this size at
@@ -27,8 +29,9 @@ from repro import stats
 from repro.config import RELEVANT_ENVIRONMENT, RELEVANT_ON_CPU, RUN_CONTROL, flatten
 from repro.errors import ReproError
 
-# Config keys that say where a run wrote and logged, not what it computed.
-NOT_LISTED = ("seed", *RUN_CONTROL, "paths", "logger")
+# Config keys that say where a run wrote and logged, not what it computed (and the pooled
+# seed and fold).
+NOT_LISTED = ("seed", "data.fold", *RUN_CONTROL, "paths", "logger")
 _MAX_KEYS = 8  # config differences listed per comparison in report.md (all in report.json)
 
 
@@ -115,33 +118,51 @@ def pick_baseline(groups: list[dict[str, Any]], spec: str | None) -> int:
     return found[0]
 
 
+def pair_key(job: dict[str, Any]) -> Any:
+    """What pairs a job with the other group's: its seed, or ``(seed, fold)`` for a
+    cross-validated job (the same seed on another fold trains on other files)."""
+    return job["seed"] if job.get("fold") is None else (job["seed"], job["fold"])
+
+
+def _key_fields(key: Any) -> dict[str, Any]:
+    """A :func:`pair_key` as the ``seed`` (and ``fold``) entries of a left-out record."""
+    return {"seed": key[0], "fold": key[1]} if isinstance(key, tuple) else {"seed": key}
+
+
 def per_seed(group: dict[str, Any], metric: str) -> tuple[dict[Any, float], list[dict[str, Any]]]:
-    """The metric's finite value of each finished seed, and the jobs left out (and why)."""
+    """The metric's finite value of each finished seed (each ``(seed, fold)`` of a
+    cross-validated group: :func:`pair_key`), and the jobs left out (and why)."""
     values: dict[Any, float] = {}
     left_out = []
     for j in group["jobs"]:
         v = j.get(metric)
+        key = pair_key(j)
         if j["status"] == "ok" and isinstance(v, (int, float)) and math.isfinite(v):
-            if j["seed"] in values:  # the group ran this seed twice (two directories' jobs)
+            if key in values:  # the group ran this seed twice (two directories' jobs)
+                what = "seed and fold" if isinstance(key, tuple) else "seed"
                 left_out.append(
-                    {"seed": j["seed"], "job": j["job"], "why": "a second job of this seed"}
+                    {**_key_fields(key), "job": j["job"], "why": f"a second job of this {what}"}
                 )
                 continue
-            values[j["seed"]] = float(v)
+            values[key] = float(v)
         else:
             why = j["status"] if j["status"] != "ok" else f"{metric} is {v}"
-            left_out.append({"seed": j["seed"], "job": j["job"], "why": why})
+            left_out.append({**_key_fields(key), "job": j["job"], "why": why})
     return values, left_out
 
 
-def seed_order(seed: Any) -> tuple[int, Any]:
-    """Seeds in order: the integers by value, then the rest by name."""
+def seed_order(seed: Any) -> tuple[Any, ...]:
+    """Seeds in order: the integers by value, then the rest by name; ``(seed, fold)`` pairs
+    by seed, then fold."""
+    if isinstance(seed, tuple):
+        return (*seed_order(seed[0]), seed[1])
     return (0, seed) if isinstance(seed, int) else (1, str(seed))
 
 
 def compare(base: dict[str, Any], group: dict[str, Any], metric: str) -> dict[str, Any]:
     """``group`` against ``base`` on ``metric``: paired over their common finished seeds
-    (two or more), else Welch's test; the other test's interval alongside, for contrast."""
+    (``(seed, fold)`` pairs when cross-validated; two or more), else Welch's test; the other
+    test's interval alongside, for contrast."""
     a, a_out = per_seed(base, metric)
     b, b_out = per_seed(group, metric)
     common = sorted(set(a) & set(b), key=seed_order)
@@ -153,14 +174,17 @@ def compare(base: dict[str, Any], group: dict[str, Any], metric: str) -> dict[st
     else:
         result = unpaired
     weights = {
-        side: {j["seed"]: j.get("weights_sha256") for j in g["jobs"] if j["status"] == "ok"}
+        side: {pair_key(j): j.get("weights_sha256") for j in g["jobs"] if j["status"] == "ok"}
         for side, g in (("baseline", base), ("group", group))
     }
+    by_fold = any(isinstance(k, tuple) for k in (*a, *b))
+    also = " and fold" if by_fold else ""
     out = {
         "baseline": base["title"],
         "group": group["title"],
         "metric": metric,
         "higher_is_better": _higher_is_better(base, metric),
+        "by_fold": by_fold,
         **result,
         "n": len(common) if result["paired"] else len(a) + len(b),
         "n_baseline": len(a),
@@ -174,12 +198,20 @@ def compare(base: dict[str, Any], group: dict[str, Any], metric: str) -> dict[st
             *({"side": "baseline", **x} for x in a_out),
             *({"side": "group", **x} for x in b_out),
             *(
-                {"side": "baseline", "seed": s, "why": "no finished job of the group has this seed"}
+                {
+                    "side": "baseline",
+                    **_key_fields(s),
+                    "why": f"no finished job of the group has this seed{also}",
+                }
                 for s in sorted(set(a) - set(b), key=seed_order)
                 if result["paired"]
             ),
             *(
-                {"side": "group", "seed": s, "why": "no finished job of the baseline has this seed"}
+                {
+                    "side": "group",
+                    **_key_fields(s),
+                    "why": f"no finished job of the baseline has this seed{also}",
+                }
                 for s in sorted(set(b) - set(a), key=seed_order)
                 if result["paired"]
             ),
@@ -207,10 +239,11 @@ def _decimals(*values: float) -> int:
 
 def verdict(c: dict[str, Any]) -> str:
     """The comparison in one sentence."""
+    seeds = "(seed, fold) pairs" if c.get("by_fold") else "seeds"
     how = (
-        f"paired over {c['n']} seeds"
+        f"paired over {c['n']} {seeds}"
         if c["paired"]
-        else f"unpaired (Welch), {c['n_baseline']} and {c['n_group']} seeds"
+        else f"unpaired (Welch), {c['n_baseline']} and {c['n_group']} {seeds}"
     )
     prefix = "across environments: " if c.get("environment_differs") else ""
     if "mean_diff" not in c:
@@ -224,7 +257,8 @@ def verdict(c: dict[str, Any]) -> str:
     d, (lo, hi) = c["mean_diff"], c["ci95"]
     if c["paired"] and d == 0 and c.get("sd_diff") == 0:
         same = " and the same weights" if c["same_weights"] == c["n"] else ""
-        return f"{prefix}the same {c['metric']} for every seed ({how}{same})"
+        every = "every seed and fold" if c.get("by_fold") else "every seed"
+        return f"{prefix}the same {c['metric']} for {every} ({how}{same})"
     if c.get("p_value") is None:  # the same nonzero difference in every seed: no spread
         places = _decimals(d)
         return (
@@ -235,7 +269,7 @@ def verdict(c: dict[str, Any]) -> str:
     interval = f"[{lo:.{places}f}, {hi:.{places}f}]"
     sign = c.get("signs")
     counted = (
-        f"; higher in {sign['higher']} of {c['n']} seeds, lower in {sign['lower']}"
+        f"; higher in {sign['higher']} of {c['n']} {seeds}, lower in {sign['lower']}"
         + (f", the same in {sign['same']}" if sign["same"] else "")
         + f" (sign test p = {sign['p_value']:.2g})"
         if sign
@@ -328,9 +362,10 @@ def format_comparisons(report: dict[str, Any]) -> list[str]:
     comparisons = report.get("comparisons") or []
     if not comparisons:
         return []
+    by = "by seed and fold" if any(c.get("by_fold") for c in comparisons) else "seed by seed"
     lines = [
         "",
-        f"## Compared with `{report['baseline'] or 'the first group'}`, seed by seed",
+        f"## Compared with `{report['baseline'] or 'the first group'}`, {by}",
         "",
         "Difference = group − baseline. Paired: a t-test on the per-seed differences over the "
         "seeds both finished; unpaired: Welch's test. r: the pairs' correlation (what pairing "
@@ -374,7 +409,8 @@ def format_comparisons(report: dict[str, Any]) -> list[str]:
             )
             lines.append("  - config: " + "; ".join(f"`{k}`" for k in keys[:_MAX_KEYS]) + more)
         for x in c["left_out"]:
-            lines.append(f"  - left out: seed {x['seed']} of the {x['side']} ({x['why']})")
+            fold = f" fold {x['fold']}" if x.get("fold") is not None else ""
+            lines.append(f"  - left out: seed {x['seed']}{fold} of the {x['side']} ({x['why']})")
     return lines
 
 

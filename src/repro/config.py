@@ -137,6 +137,27 @@ class TrainerConfig:
     overfit_batch: bool = False  # every step trains on the first step's batch (debug=overfit)
 
 
+class InferenceMode(StrEnum):
+    """``pipeline``: the evaluation pipeline's images, batched (a Resize's segmentation
+    logits brought back to each mask's size); ``native``: each image at its own size, whole
+    or in tiles (repro.sliding_window)."""
+
+    pipeline = "pipeline"
+    native = "native"
+
+
+@dataclass
+class InferenceConfig:
+    """How evaluation, the test and ``repro predict`` see an image (segmentation)."""
+
+    mode: InferenceMode = InferenceMode.pipeline
+    tile: Any = None  # native: [h, w] (null: data.image_size square, the training patch)
+    overlap: float = 0.5  # native: the fraction of a tile its neighbour shares
+    sigma: float = 0.125  # native: the Gaussian weight's σ, a fraction of the tile's side
+    tile_batch: int = 4  # native: tiles a forward; part of the bits (recorded)
+    mirror: bool = False  # native: test-time mirroring (4 forwards a tile, averaged)
+
+
 @dataclass
 class DistConfig:
     """Multi-process runs under ``torchrun`` (one process: ignored)."""
@@ -168,6 +189,7 @@ class TrainConfig:
     amp: AmpConfig = field(default_factory=AmpConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     # Everything swappable arrives by ``_target_``: any keys, checked against the target's
     # signature in validate() (TARGET_GROUPS).
@@ -243,6 +265,7 @@ def validate(cfg: DictConfig) -> None:
     _validate_finite(OmegaConf.to_container(cfg, resolve=False), "")
     _validate_run(cfg)
     _validate_trainer(cfg.trainer)
+    _validate_inference(cfg.inference)
     validate_process_settings(cfg)
     for group in TARGET_GROUPS:
         _validate_target(cfg, group)
@@ -347,6 +370,21 @@ def _validate_trainer(t: DictConfig) -> None:
         )
 
 
+def _validate_inference(i: DictConfig) -> None:
+    tile = i.tile
+    sides = list(tile) if OmegaConf.is_list(tile) else [tile]
+    if tile is not None and not (
+        len(sides) in (1, 2) and all(isinstance(t, int) and t >= 1 for t in sides)
+    ):
+        _fail("inference.tile", tile, "null, or [height, width] in pixels (integers >= 1)")
+    if not 0 <= i.overlap < 1:
+        _fail("inference.overlap", i.overlap, "a fraction in [0, 1)")
+    if not i.sigma > 0:
+        _fail("inference.sigma", i.sigma, "a number > 0 (a fraction of the tile's side)")
+    if i.tile_batch < 1:
+        _fail("inference.tile_batch", i.tile_batch, "an integer >= 1")
+
+
 def validate_process_settings(cfg: DictConfig) -> None:
     """The loader and determinism values, checked without torch: what layer 0 puts into the
     process environment must be valid before it re-executes the process with it."""
@@ -397,7 +435,7 @@ RELEVANT_ON_CPU = ("cpu_capability", "cpu_isa", "cpu_dispatch_limits")
 TARGET_GROUPS = {
     "model": {"num_classes", "in_channels"},
     "data": set(),
-    "task": {"num_classes"},
+    "task": {"num_classes", "class_names"},
     "optim": {"params"},  # _partial_: called with the model's parameters
     "schedule": {"optimizer", "max_steps"},  # _partial_: called with the optimizer
 }

@@ -13,6 +13,9 @@ SUMMARY_FILE = "summary.json"  # repro.loop
 ERROR_FILE = "error.json"  # train.py, for a failed job of a sweep
 CHECKPOINT_DIR = "checkpoints"  # repro.checkpoint
 TEST_FILE = "test.json"  # repro.loop: trainer.test's result
+# each sample's row of the latest evaluation (repro.evaluation.Evaluation.write_per_sample)
+VAL_PER_SAMPLE_FILE = "val_per_image.csv"
+TEST_PER_SAMPLE_FILE = "test_per_image.csv"  # trainer.test's (repro evaluate: beside its --out)
 BEST_FILE = "best.pt"  # repro.checkpoint: the checkpoint of the best evaluation so far
 LOGGERS_FILE = "loggers.json"  # repro.loggers: the ids that let a resume continue an MLflow/W&B run
 LOCK_FILE = ".lock"  # repro.rundir: the run's owner, for its lifetime

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from repro.build import Training, build_data, build_training, record_channels_last
 from repro.checkpoint import (
@@ -27,10 +27,11 @@ from repro.checkpoint import (
     read_checkpoint,
 )
 from repro.config import flatten
-from repro.data import DataSplits, DeviceNormalizer
+from repro.data import Augmented, DataSplits, DeviceNormalizer, Resize
 from repro.errors import CheckpointError, ConfigError
-from repro.evaluation import evaluate
+from repro.evaluation import csv_field, evaluate_split
 from repro.files import BEST_FILE
+from repro.sliding_window import predict_logits, resize_logits
 
 log = logging.getLogger("repro")
 SPLITS = ("test", "val")
@@ -54,10 +55,13 @@ def evaluate_checkpoint(
     split: str = "test",
     data: DataSplits | None = None,
     force: bool = False,
+    per_sample: Path | None = None,
 ) -> dict[str, Any]:
     """The task's metrics of ``checkpoint`` on ``split`` (``test`` or ``val``), with the
-    checkpoint it used (path, step, SHA-256); a config that differs from the checkpoint's
-    where it can change them is refused (:func:`settings_differ`), unless ``force``."""
+    checkpoint it used (path, step, SHA-256) and the number of samples; each sample's row
+    into the CSV ``per_sample`` if given (:meth:`repro.evaluation.Evaluation.write_per_sample`).
+    A config that differs from the checkpoint's where it can change them is refused
+    (:func:`settings_differ`), unless ``force``."""
     if split not in SPLITS:
         raise ConfigError(f"split {split!r}: give test or val.")
     data = data or build_data(cfg)
@@ -74,15 +78,97 @@ def evaluate_checkpoint(
     # trainer.test's (the metrics are still this machine's, deterministic)
     training, differences = restored(cfg, checkpoint, state, device, data, force)
     normalize = DeviceNormalizer(data, device, training.channels_last)
-    metrics = evaluate(training, held_out, normalize, int(cfg.trainer.eval_batch_size))
+    result = evaluate_split(training, held_out, normalize, int(cfg.trainer.eval_batch_size))
+    if per_sample is not None:
+        result.write_per_sample(per_sample)
     return {
         "split": split,
         "checkpoint": checkpoint.name,
         "step": int(state["step"]),
         "checkpoint_sha256": loaded.sha256,
-        "metrics": {k.replace("val_", f"{split}_", 1): v for k, v in metrics.items()},
+        "samples": len(result.names),
+        "metrics": {k.replace("val_", f"{split}_", 1): v for k, v in result.metrics.items()},
         **differences,
     }
+
+
+def evaluate_folder(
+    cfg: DictConfig,
+    checkpoint: Path,
+    device: torch.device,
+    folder: Path,
+    force: bool = False,
+    per_sample: Path | None = None,
+) -> dict[str, Any]:
+    """The task's metrics of ``checkpoint`` on every file of an annotated ``folder`` of the
+    run's layout (``image_mask_folder``: ``images/`` and ``masks/``; ``image_folder``: a
+    sub-folder per class, the run's classes), read as the run reads its data (channels, bit
+    depth, intensity mapping, ``mask_map``) and evaluated as its validation split is
+    (``inference.*``), metrics named ``external_*``. No split of the folder is made and the
+    run's training split is not checked against it. A folder whose classes or channels do
+    not fit the run is refused in one line naming the file."""
+    data = build_data(cfg)  # the run's normalisation statistics and evaluation pipeline
+    split = Augmented(external_split(cfg, data, folder), data.eval_pipeline)
+    loaded = read_checkpoint(checkpoint, map_location=device)  # verified
+    state = loaded.state
+    training, differences = restored(cfg, checkpoint, state, device, data, force)
+    normalize = DeviceNormalizer(data, device, training.channels_last)
+    result = evaluate_split(training, split, normalize, int(cfg.trainer.eval_batch_size))
+    if per_sample is not None:
+        result.write_per_sample(per_sample)
+    return {
+        "split": "external",
+        "folder": str(folder),
+        "checkpoint": checkpoint.name,
+        "step": int(state["step"]),
+        "checkpoint_sha256": loaded.sha256,
+        "samples": len(result.names),
+        "metrics": {k.replace("val_", "external_", 1): v for k, v in result.metrics.items()},
+        **differences,
+    }
+
+
+def external_split(cfg: DictConfig, data: DataSplits, folder: Path) -> Any:
+    """Every file of ``folder`` as one split, with the run's reading settings (see
+    :func:`evaluate_folder`)."""
+    from repro.data import Intensity, LazyImageMasks, LazyImages
+    from repro.data.folders import IMAGE_SUFFIXES, image_mask_pairs
+
+    node = OmegaConf.to_container(cfg.data, resolve=True)
+    target = str(node["_target_"])
+    rule = Intensity(node.get("intensity"))
+    if target == "repro.data.image_mask_folder":
+        stems, images, masks = image_mask_pairs(folder, "--folder")
+        mask_map = node.get("mask_map")
+        return LazyImageMasks(
+            [images[s] for s in stems],
+            [masks[s] for s in stems],
+            int(node["num_classes"]),
+            {int(k): int(v) for k, v in mask_map.items()} if mask_map else None,
+            int(node.get("channels", 3)),
+            rule,
+        )
+    if target == "repro.data.image_folder":
+        classes = sorted(d.name for d in folder.iterdir() if d.is_dir() and not d.name[0] == ".")
+        if tuple(classes) != tuple(data.class_names or ()):
+            raise ConfigError(
+                f"--folder {folder}: class folders {classes}, but the run's classes are "
+                f"{list(data.class_names or [])}; give a folder with the run's classes."
+            )
+        files = [
+            (f, label)
+            for label, name in enumerate(classes)
+            for f in sorted((folder / name).rglob("*"))
+            if f.suffix.lower() in IMAGE_SUFFIXES
+        ]
+        if not files:
+            raise ConfigError(f"--folder {folder}: no image files in its class folders.")
+        labels = torch.tensor([label for _, label in files])
+        return LazyImages([f for f, _ in files], labels, "stop", int(node.get("channels", 3)), rule)
+    raise ConfigError(
+        f"--folder evaluates runs on image_folder or image_mask_folder data; this run's data is "
+        f"{target}: use --split test or val."
+    )
 
 
 def restored(
@@ -142,18 +228,29 @@ def predict(
     inputs: Path,
     out: Path,
     force: bool = False,
+    probabilities: bool = False,
+    overlay: bool = False,
 ) -> int:
-    """The model of ``checkpoint`` on every image under ``inputs`` (sorted paths, read as RGB
-    and brought to ``data.image_size`` by the run's evaluation pipeline, as its validation
-    images are; normalised with the run's statistics), in batches of
-    ``trainer.eval_batch_size``, in evaluation mode (the weight average with ``trainer.ema``).
-    Classification: ``out`` is a CSV of ``file, prediction``, the class's name (when the data
-    names its classes: an image folder's sub-folders) and each class's probability (``repr``
-    floats: exact). Segmentation: ``out`` is a folder of ``<file>.png`` class masks.
+    """The model of ``checkpoint`` on every image under ``inputs`` (sorted paths, read as the
+    run's data reads its images, normalised with the run's statistics), in evaluation mode
+    (the weight average with ``trainer.ema``).
+
+    Classification: each image through the run's evaluation pipeline, in batches of
+    ``trainer.eval_batch_size``; ``out`` is a CSV of ``file, prediction``, the class's name
+    (when the data names its classes) and each class's probability (``repr`` floats: exact).
+
+    Segmentation: ``out`` is a folder of ``<file>.png`` class masks, each at its input's own
+    size -- ``inference.mode=native``: the image whole or in tiles at its size
+    (:mod:`repro.sliding_window`); ``pipeline``: through the evaluation pipeline and, when
+    that is a resize, the logits brought back to the input's grid (bilinear, centre-aligned)
+    before the arg-max. ``probabilities``: also ``<file>.npy``, the per-class softmax
+    (float32, classes × H × W); ``overlay``: also ``<file>.overlay.png``, the image with its
+    predicted classes tinted, for a person to look at.
+
     Deterministic: the same bytes every time on the same machine; a config that differs from
     the checkpoint's where it can change them is refused, unless ``force``. Returns the
     count."""
-    from repro.data import IMAGE_SUFFIXES, read_image
+    from repro.data import IMAGE_SUFFIXES
 
     files = sorted(p for p in inputs.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
@@ -165,29 +262,67 @@ def predict(
         log.warning(f"predict --force: {difference} (the bytes may differ from the run's)")
     normalize = DeviceNormalizer(data, device, training.channels_last)
     names = [str(p.relative_to(inputs)) for p in files]
-    batch = int(cfg.trainer.eval_batch_size)
-    results: list[torch.Tensor] = []
     model = training.model
     model.eval()
     with torch.no_grad(), training.evaluated_weights():
-        for i in range(0, len(files), batch):
-            part = files[i : i + batch]
-            images = [read_image(p, data.in_channels) for p in part]
-            index = torch.arange(i, i + len(part))
-            images, _ = data.eval_pipeline.samples(images, [0] * len(part), torch.zeros(1), index)
-            x, _ = normalize(images, torch.zeros(len(images), dtype=torch.int64))
-            with training.precision.autocast():
-                outputs = model(x)
-            if outputs.dim() == 2:  # class scores
-                results.append(outputs.float().softmax(dim=1).cpu())
-            else:  # per-pixel class scores: the mask
-                results.append(outputs.argmax(dim=1).to(torch.uint8).cpu())
-    scores = torch.cat(results)
-    if scores.dim() == 2:
-        _write_probabilities(out, names, scores, data.class_names)
-    else:
-        _write_masks(out, names, scores)
+        logits = _predicted_logits(cfg, data, training, normalize, files)
+        if logits and logits[0].dim() == 1:  # class scores
+            scores = torch.stack(logits).softmax(dim=1)
+            _write_probabilities(out, names, scores, data.class_names)
+            return len(files)
+        _write_masks(out, names, logits, files if overlay else None, cfg, data, probabilities)
     return len(files)
+
+
+def _predicted_logits(
+    cfg: DictConfig,
+    data: DataSplits,
+    training: Training,
+    normalize: DeviceNormalizer,
+    files: list[Path],
+) -> list[torch.Tensor]:
+    """Each file's float32 logits on the CPU: classes (classification) or classes × H × W at
+    the file's own size where :func:`predict` says so."""
+    window, model = training.window, training.model
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with training.precision.autocast():
+            return model(x)
+
+    results: list[torch.Tensor] = []
+    if window.native:
+        pad = normalize.normalised_zero()
+        for path in files:
+            image = read_input(cfg, data, path)
+            x, _ = normalize(image[None], torch.zeros(1, dtype=torch.int64))
+            results.append(
+                predict_logits(forward, x[0], window, pad, normalize.memory_format).cpu()
+            )
+        return results
+    pipeline = data.eval_pipeline
+    back = type(pipeline.pipeline) is Resize
+    batch = int(cfg.trainer.eval_batch_size)
+    for i in range(0, len(files), batch):
+        images = [read_input(cfg, data, p) for p in files[i : i + batch]]
+        index = torch.arange(i, i + len(images))
+        resized, _ = pipeline.samples(images, [0] * len(images), torch.zeros(1), index)
+        x, _ = normalize(resized, torch.zeros(len(images), dtype=torch.int64))
+        outputs = forward(x).float()
+        for image, output in zip(images, outputs, strict=True):
+            if output.dim() == 3 and back:  # a mask on its input's grid
+                output = resize_logits(output, tuple(image.shape[-2:]))
+            results.append(output.cpu())
+    return results
+
+
+def read_input(cfg: DictConfig, data: DataSplits, path: Path) -> torch.Tensor:
+    """An input file read as the run's data reads its images (channels, bit depth, intensity
+    mapping): ``C×H×W``, uint8 or float32."""
+    from repro.data import Intensity, read_image
+
+    rule = getattr(data.train, "intensity", None)  # an image folder's data.intensity
+    rule = rule if isinstance(rule, Intensity) else Intensity()  # else auto
+    return rule(read_image(path, data.in_channels), path)[0]
 
 
 def _write_probabilities(
@@ -203,17 +338,27 @@ def _write_probabilities(
     lines = [",".join(header)]
     for name, p in zip(names, probs.tolist(), strict=True):
         best = max(range(len(p)), key=p.__getitem__)
-        label = [_csv_field(classes[best])] if named else []
-        lines.append(",".join([_csv_field(name), str(best), *label, *map(repr, p)]))
+        label = [csv_field(classes[best])] if named else []
+        lines.append(",".join([csv_field(name), str(best), *label, *map(repr, p)]))
     text = "\n".join(lines) + "\n"
     atomic_write(out, lambda f: f.write(text.encode()))
 
 
-def _csv_field(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"' if any(c in name for c in ',"\n') else name
+def _write_masks(
+    out: Path,
+    names: list[str],
+    logits: list[torch.Tensor],
+    overlay_of: list[Path] | None,
+    cfg: DictConfig,
+    data: DataSplits,
+    probabilities: bool,
+) -> None:
+    """``<name>.png`` (class indices), and ``<name>.npy`` (softmax) / ``<name>.overlay.png``
+    when asked, each written atomically."""
+    import io
 
+    import numpy as np
 
-def _write_masks(out: Path, names: list[str], masks: torch.Tensor) -> None:
     from repro.checkpoint import atomic_write
     from repro.data.folders import _pillow
 
@@ -222,7 +367,41 @@ def _write_masks(out: Path, names: list[str], masks: torch.Tensor) -> None:
     if len(set(targets)) != len(targets):
         clash = next(t for t in targets if targets.count(t) > 1)
         raise ConfigError(f"two inputs would both give the mask {clash}; rename one of them.")
-    for name, mask in zip(names, masks, strict=True):
-        target = out / Path(name).with_suffix(".png")
+    if int(logits[0].shape[0]) > 256:
+        raise ConfigError("segmentation masks are 8-bit PNGs: at most 256 classes.")
+    for i, (target, scores) in enumerate(zip(targets, logits, strict=True)):
+        mask = scores.argmax(dim=0).to(torch.uint8)
         image = Image.fromarray(mask.numpy(), mode="L")
-        atomic_write(target, lambda f, image=image: image.save(f, format="PNG"))
+        atomic_write(out / target, lambda f, image=image: image.save(f, format="PNG"))
+        if probabilities:
+            buffer = io.BytesIO()
+            np.save(buffer, scores.softmax(dim=0).numpy().astype(np.float32), allow_pickle=False)
+            atomic_write(
+                out / target.with_suffix(".npy"), lambda f, b=buffer: f.write(b.getvalue())
+            )
+        if overlay_of is not None:
+            shown = overlay_image(read_input(cfg, data, overlay_of[i]), mask)
+            picture = Image.fromarray(shown.permute(1, 2, 0).numpy(), mode="RGB")
+            path = out / target.with_suffix(".overlay.png")
+            atomic_write(path, lambda f, p=picture: p.save(f, format="PNG"))
+
+
+# class colours of the overlays (class 0, the background, is not tinted)
+PALETTE = torch.tensor(
+    [[0, 0, 0], [230, 25, 75], [60, 180, 75], [255, 225, 25], [0, 130, 200], [245, 130, 48],
+     [145, 30, 180], [70, 240, 240], [240, 50, 230], [210, 245, 60]],
+    dtype=torch.int32,
+)  # fmt: skip
+
+
+def overlay_image(image: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """An 8-bit RGB picture (3×H×W uint8) of ``image`` (its first three channels, or its
+    first one as grey; floats stretched to their range) with each pixel of a class other
+    than 0 mixed half and half with the class's colour: integer arithmetic, exact."""
+    x = image[:3] if image.shape[0] >= 3 else image[:1].expand(3, *image.shape[1:])
+    if x.dtype != torch.uint8:
+        low, high = x.double().min(), x.double().max()
+        x = ((x.double() - low) / (high - low).clamp_min(1e-12) * 255).round().to(torch.uint8)
+    colour = PALETTE[mask.long() % len(PALETTE)].permute(2, 0, 1)
+    mixed = (x.to(torch.int32) + colour) // 2
+    return torch.where(mask[None] > 0, mixed, x.to(torch.int32)).to(torch.uint8)

@@ -58,13 +58,20 @@ from repro.checkpoint import (
 )
 from repro.config import config_hash, resolved_container, validate
 from repro.data import DataSplits, DeviceNormalizer, loading
+from repro.data.intensity import describe as describe_intensity
 from repro.determinism import DeterminismReport, apply_determinism
 from repro.dist import World, barrier, broadcast_object, on_main
 from repro.dist import init as init_world
 from repro.doctor import explain_nondeterministic_op
 from repro.errors import Diverged
-from repro.evaluation import check_task, evaluate
-from repro.files import ENV_FILE, SUMMARY_FILE, TEST_FILE
+from repro.evaluation import check_task, evaluate_split
+from repro.files import (
+    ENV_FILE,
+    SUMMARY_FILE,
+    TEST_FILE,
+    TEST_PER_SAMPLE_FILE,
+    VAL_PER_SAMPLE_FILE,
+)
 from repro.fingerprint import environment, run_fingerprint
 from repro.inference import choose_checkpoint, evaluate_checkpoint
 from repro.loggers import Loggers, RunInfo
@@ -205,7 +212,9 @@ def _train(
             record.update(tracer.state(done, training.model))
             metrics = None
             if world.main and due(done, int(t.eval_every), max_steps):
-                metrics = evaluate(training, data.val, normalize, int(t.eval_batch_size))
+                result = evaluate_split(training, data.val, normalize, int(t.eval_batch_size))
+                result.write_per_sample(run.dir / VAL_PER_SAMPLE_FILE, step=done)
+                metrics = result.metrics
             logs.step(done, loss, grad_norm, lr, record, metrics)
             if not stop:  # trainer.on_nonfinite=continue
                 logs.warn_if_diverged()
@@ -394,7 +403,9 @@ def run_test(run: Run, data: DataSplits) -> dict[str, Any]:
     checkpoint = choose_checkpoint(run.dir, run.cfg)
     # the run's own checkpoint: a config it differs from was accepted (trainer.resume_force)
     # and is recorded
-    result = evaluate_checkpoint(run.cfg, checkpoint, run.device, "test", data, force=True)
+    result = evaluate_checkpoint(
+        run.cfg, checkpoint, run.device, "test", data, True, run.dir / TEST_PER_SAMPLE_FILE
+    )
     write_json(run.dir / TEST_FILE, result)
     metrics = ", ".join(f"{k} {v:.4f}" for k, v in result["metrics"].items())
     log.info(f"test: {result['checkpoint']} (step {result['step']}): {metrics}")
@@ -423,6 +434,8 @@ def describe(run: Run, training: Training, data: Any, count: int, chosen: Loader
     )
     if run.cfg.loader.get("auto"):
         log.info(f"loader {chosen.why}")
+    if getattr(data, "intensity", None):  # an image folder's data.intensity and its clipping
+        log.info(describe_intensity(data.intensity))
 
 
 def open_logs(
@@ -510,6 +523,7 @@ def finish(
         "loader": chosen.name,
         "num_workers": int(chosen.cfg.num_workers),
         "channels_last": training.channels_last,
+        "intensity": getattr(data, "intensity", None),  # rule and fraction clipped, or None
         "config_hash": run.identity.config_hash,
         "run_dir": str(run.dir),
         **clock.summary(),

@@ -7,11 +7,14 @@ report lists each job (seed, status, final metrics, weights digest), then per me
 task's headline first (``val_accuracy`` for classification), its other metrics, the final
 training loss -- the mean, the standard deviation, min/max, a 95% confidence interval for
 the mean (Student t, n - 1 degrees of freedom), and any seed more than 2 SD from the mean.
-Jobs that failed or did not finish are listed as such, never dropped.
+Jobs that failed or did not finish are listed as such, never dropped. Cross-validation folds
+(``data.fold=0,1,2,3,4 seed=0,1``) are pooled like seeds: a group is a distribution over
+folds x seeds, each job listed with its fold beside its seed.
 
 With two or more groups -- of one sweep, or of several directories (yesterday's sweep and
 today's, single runs too) -- "is B better than A?" gets an answer: each group is compared
-with a baseline, seed by seed (:mod:`repro.comparisons`).
+with a baseline, seed by seed -- (seed, fold) by (seed, fold) for folds
+(:mod:`repro.comparisons`).
 
 Writes ``report.md``, ``report.json`` and, with matplotlib installed (``pip install -e
 '.[report]'``), a figure of every seed's loss and headline-metric curves with the mean ± SD
@@ -46,6 +49,10 @@ def override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
+# Overrides whose values a group pools: the training seed, and the cross-validation fold.
+POOLED = ("seed", "data.fold")
+
+
 @dataclass
 class Job:
     dir: Path
@@ -56,6 +63,7 @@ class Job:
     summary: dict[str, Any] = field(default_factory=dict)
     error: str = ""
     source: int = 0  # which of the report's directories it came from
+    fold: int | None = None  # data.fold of a cross-validated job (data.folds set), else None
 
     @property
     def metrics(self) -> list[str]:
@@ -66,7 +74,7 @@ class Job:
 
     @property
     def group(self) -> tuple[str, ...]:
-        return tuple(o for o in self.overrides if override_key(o) not in ("seed", *RUN_CONTROL))
+        return tuple(o for o in self.overrides if override_key(o) not in (*POOLED, *RUN_CONTROL))
 
     def rerun_command(self) -> str:
         if self.status == NOT_STARTED:  # no directory to re-run from: its own command
@@ -105,12 +113,21 @@ def _what(overrides: list[str]) -> tuple[str, ...]:
     return tuple(o for o in overrides if override_key(o) not in RUN_CONTROL)
 
 
-def _seed_of(overrides: list[str], default: Any) -> Any:
+def _seed_of(overrides: list[str], default: Any, key: str = "seed") -> Any:
+    """The value the override ``key`` (the seed, or ``data.fold``) gives, else ``default``."""
     for o in overrides:
-        if override_key(o) == "seed":
+        if override_key(o) == key:
             value = o.split("=", 1)[1]
             return int(value) if value.isdigit() else value
     return default
+
+
+def _fold_of(config: Any) -> int | None:
+    """A resolved config's ``data.fold`` when it cross-validates (``data.folds`` set)."""
+    data = config.get("data") if isinstance(config, dict) else None
+    if isinstance(data, dict) and data.get("folds"):
+        return data.get("fold")
+    return None
 
 
 def _job_status(job_dir: Path) -> tuple[str, dict[str, Any], str]:
@@ -159,14 +176,15 @@ def _job(job_dir: Path, num: int, source: int) -> Job | None:
         return None
     overrides = [str(o) for o in load_yaml(overrides_file)]
     config_file = job_dir / ".hydra" / "config.yaml"
-    seed = None
+    seed = fold = None
     if config_file.is_file():
         config = load_yaml(config_file)
         seed = config.get("seed") if isinstance(config, dict) else None
+        fold = _fold_of(config)
     head = job_dir.name.split("_", 1)[0]
     num = int(head) if head.isdigit() else num
     status, summary, error = _job_status(job_dir)
-    return Job(job_dir, num, overrides, seed, status, summary, error, source)
+    return Job(job_dir, num, overrides, seed, status, summary, error, source, fold)
 
 
 def find_jobs(sweep_dir: Path, source: int = 0) -> list[Job]:
@@ -190,9 +208,11 @@ def find_jobs(sweep_dir: Path, source: int = 0) -> list[Job]:
         )
     started = {_what(j.overrides) for j in jobs}  # by what a job computes, not its folder
     default_seed = next((j.seed for j in jobs if j.seed is not None), None)
+    default_fold = next((j.fold for j in jobs if j.fold is not None), None)
     for num, overrides in enumerate(planned_jobs(sweep_dir) or []):
         if _what(overrides) not in started:  # the sweep was stopped before this job
             seed = _seed_of(overrides, default_seed)
+            fold = _seed_of(overrides, default_fold, "data.fold")
             jobs.append(
                 Job(
                     sweep_dir / str(num),
@@ -203,6 +223,7 @@ def find_jobs(sweep_dir: Path, source: int = 0) -> list[Job]:
                     {},
                     "never started",
                     source,
+                    fold,
                 )
             )
     return sorted(jobs, key=lambda j: j.num)
@@ -225,7 +246,15 @@ def outliers(jobs: list[Job], metric: str, stats: dict[str, Any]) -> list[dict[s
             continue  # left out of the statistics too
         z = (value - stats["mean"]) / sd
         if abs(z) > 2:
-            found.append({"seed": j.seed, "job": j.dir.name, "value": j.summary[metric], "z": z})
+            found.append(
+                {
+                    "seed": j.seed,
+                    "fold": getattr(j, "fold", None),
+                    "job": j.dir.name,
+                    "value": j.summary[metric],
+                    "z": z,
+                }
+            )
     return found
 
 
@@ -285,6 +314,7 @@ def build_report(
                         "job": j.dir.name,
                         "dir": str(j.dir),
                         "seed": j.seed,
+                        "fold": j.fold,
                         "status": j.status,
                         "error": j.error,
                         **{m: j.summary.get(m) for m in (*metric_names, "steps", "weights_sha256")},
@@ -322,6 +352,12 @@ def _num(x: Any, digits: int = 4) -> str:
     return f"{x:.{digits}f}" if isinstance(x, float) else ("–" if x is None else str(x))
 
 
+def _seed_fold(entry: dict[str, Any]) -> str:
+    """``seed 3``, or ``seed 3, fold 1`` for a cross-validated job."""
+    fold = entry.get("fold")
+    return f"seed {entry['seed']}" + (f", fold {fold}" if fold is not None else "")
+
+
 def format_markdown(report: dict[str, Any], figures: dict[int, str]) -> str:
     counts = (
         f"{report['jobs']} jobs: {report['ok']} finished, {report['failed']} failed, "
@@ -342,19 +378,24 @@ def format_markdown(report: dict[str, Any], figures: dict[int, str]) -> str:
     if -1 in figures:
         lines += ["", f"![seeds compared]({figures[-1]})"]
     for i, g in enumerate(report["groups"]):
-        title = g["title"] or "all jobs (only the seed varies)"
+        folds = any(j.get("fold") is not None for j in g["jobs"])  # cross-validated
+        only = "only the seed and fold vary" if folds else "only the seed varies"
+        title = g["title"] or f"all jobs ({only})"
         lines += ["", f"## {title}", ""]
         names = list(g["metrics"])
         lines += [
-            "| job | seed | status | " + " | ".join(names) + " | steps | weights |",
-            "|---|---|---|" + "---|" * len(names) + "---|---|",
+            f"| job | seed |{' fold |' if folds else ''} status | "
+            + " | ".join(names)
+            + " | steps | weights |",
+            "|---|---|---|" + "---|" * (len(names) + folds) + "---|",
         ]
         for j in g["jobs"]:
             status = j["status"] if j["status"] == "ok" else f"**{j['status']}**"
             weights = f"`{j['weights_sha256'][:12]}`" if j["weights_sha256"] else "–"
             values = " | ".join(_num(j[m]) for m in names)
+            fold = f" {_num(j.get('fold'))} |" if folds else ""
             lines.append(
-                f"| {j['job']} | {j['seed']} | {status} | {values} | {_num(j['steps'])} | "
+                f"| {j['job']} | {j['seed']} |{fold} {status} | {values} | {_num(j['steps'])} | "
                 f"{weights} |"
             )
         lines.append("")
@@ -372,14 +413,14 @@ def format_markdown(report: dict[str, Any], figures: dict[int, str]) -> str:
             )
             for o in s["outliers"]:
                 lines.append(
-                    f"  - seed {o['seed']} ({o['job']}): {o['value']:.4f} is {abs(o['z']):.1f} SD "
+                    f"  - {_seed_fold(o)} ({o['job']}): {o['value']:.4f} is {abs(o['z']):.1f} SD "
                     f"{'above' if o['z'] > 0 else 'below'} the mean"
                 )
         problems = [j for j in g["jobs"] if j["status"] != "ok"]
         if problems:
             lines += ["", "Not in the statistics:"]
             lines += [
-                f"- {j['job']} (seed {j['seed']}): {j['status']}: {j['error']}" for j in problems
+                f"- {j['job']} ({_seed_fold(j)}): {j['status']}: {j['error']}" for j in problems
             ]
         lines += [
             "",
@@ -420,7 +461,7 @@ def plot(report: dict[str, Any], out_dir: Path) -> tuple[dict[int, str], str | N
                     lw=0.8,
                     ms=3,
                     alpha=0.6,
-                    label=f"seed {j['seed']}",
+                    label=_seed_fold(j),
                 )
             common = sorted(set.intersection(*(set(c) for c in curves)))
             common = [s for s in common if all(math.isfinite(c[s]) for c in curves)]

@@ -49,7 +49,9 @@ from repro.files import (
     METRICS_FILE,
     SUMMARY_FILE,
     TEST_FILE,
+    TEST_PER_SAMPLE_FILE,
     TRACE_FILE,
+    VAL_PER_SAMPLE_FILE,
     finite_or_null,
 )
 
@@ -203,7 +205,8 @@ def _start_at_step_0(
     else:
         log.info(f"resume=auto: no checkpoint in {run_dir} yet; starting at step 0")
     # what an earlier attempt wrote that the new one would not overwrite at once
-    for stale in [run_dir / BEST_FILE, run_dir / TEST_FILE, *run_dir.glob("env-resume-*.json")]:
+    stale_files = [BEST_FILE, TEST_FILE, TEST_PER_SAMPLE_FILE, VAL_PER_SAMPLE_FILE]
+    for stale in [*(run_dir / n for n in stale_files), *run_dir.glob("env-resume-*.json")]:
         stale.unlink(missing_ok=True)
         sidecar(stale).unlink(missing_ok=True)
     return None
@@ -252,6 +255,8 @@ RUN_FILES = {
     CHECKPOINT_DIR,
     BEST_FILE,
     TEST_FILE,
+    TEST_PER_SAMPLE_FILE,
+    VAL_PER_SAMPLE_FILE,
     "tensorboard",  # the loggers' own (conf/logger/)
     "wandb",
     "rerun",

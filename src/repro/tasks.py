@@ -16,6 +16,11 @@ one it runs. It owns four things:
 ``headline``
     the name of the one metric that ``summary.json``, ``repro report`` and ``repro compare
     --tolerance`` lead with (``higher_is_better`` says which way is better).
+``per_sample(outputs, targets)`` (optional)
+    one row per sample: a dict of 1-D tensors (integer counts), concatenated over the
+    evaluation in sample order and written to ``<split>_per_image.csv`` beside the sample's
+    name; ``metrics(totals, samples)`` then receives them too (the per-image mean Dice is
+    computed from them). Exact integers, so the same at any eval batch size and world size.
 
 ``outputs`` is what the model returns for a batch; ``targets`` is what the dataset gives
 beside the inputs: class labels ``N``, or per-pixel class masks ``N×H×W``, which the keyed
@@ -28,6 +33,7 @@ constructor takes it. See ``docs/extending.md``.
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +56,12 @@ class Task:
 
     def metrics(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
         raise NotImplementedError
+
+    def per_sample(
+        self, outputs: torch.Tensor, targets: torch.Tensor
+    ) -> dict[str, torch.Tensor] | None:
+        """One row per sample (see the module docstring); None: no per-sample record."""
+        return None
 
 
 class Classification(Task):
@@ -75,6 +87,15 @@ class Classification(Task):
         return {
             "val_loss": totals["loss_sum"].item() / count,
             "val_accuracy": int(totals["correct"]) / count,
+        }
+
+    def per_sample(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each sample's class, the predicted one, and whether they agree."""
+        prediction = outputs.argmax(dim=1)
+        return {
+            "target": targets.long(),
+            "prediction": prediction,
+            "correct": (prediction == targets).long(),
         }
 
 
@@ -122,12 +143,23 @@ class Segmentation(Task):
     strict mode stops the run and says so) or on the pixels as rows (``"torch_flat"``, the
     usual workaround); without class weights and ignored pixels they equal ``"repro"``.
 
-    **Metrics**, from one integer confusion matrix summed over the validation batches (so
-    they do not depend on the eval batch size or the world size): ``val_dice`` (the
-    headline) and ``val_iou``, means over the classes (the background, class 0, left out
-    unless ``include_background``; a class absent from both masks and predictions is left
-    out of the means and reported as nan), per class ``val_dice_<c>`` and ``val_iou_<c>``,
-    ``val_pixel_accuracy`` and ``val_loss`` (the mean per image)."""
+    **Metrics** (Metrics Reloaded's per-image aggregation; Maier-Hein et al., 2024), from
+    each image's integer counts (:meth:`per_sample`: true positives, false positives and
+    false negatives per class on the scored pixels; ``<split>_per_image.csv``):
+    ``val_dice_<class>`` and ``val_iou_<class>`` are means over the images of each image's
+    Dice and IoU. An image whose reference and prediction both lack the class is left out of
+    that class's mean and counted (``val_empty_<class>``); one whose reference lacks it but
+    whose prediction has it scores 0. ``val_dice`` (the headline) and ``val_iou`` are the
+    means of those over the classes (the background, class 0, left out unless
+    ``include_background``; a class no image defines is nan and left out). The pooled
+    values -- one confusion matrix over every scored pixel of the split -- are kept as
+    ``val_dice_pooled``, ``val_iou_pooled`` and ``val_dice_<class>_pooled``; also
+    ``val_pixel_accuracy`` and ``val_loss`` (the mean per image). Classes are named by
+    ``class_names`` (the data's, ``data.class_names``; else their index); ``unions`` names
+    groups of classes scored as one (``{cell: [nucleus, boundary]}``: a pixel is ``cell`` in
+    the reference or the prediction when its class is one of them), each with the same
+    metrics. Every value comes from exact integers summed in a fixed order (``math.fsum``),
+    so they do not depend on the eval batch size or the world size."""
 
     headline = "val_dice"
     higher_is_better = True
@@ -141,6 +173,8 @@ class Segmentation(Task):
         ignore_index: int = 255,
         include_background: bool = False,
         cross_entropy: str = "repro",
+        class_names: list[str] | None = None,
+        unions: dict[str, list[str | int]] | None = None,
     ) -> None:
         if cross_entropy not in CROSS_ENTROPY:
             raise ConfigError(
@@ -163,6 +197,8 @@ class Segmentation(Task):
             None if class_weights is None else torch.tensor(class_weights, dtype=torch.float32)
         )
         self.include_background, self.cross_entropy = include_background, cross_entropy
+        self.names = metric_names(class_names, num_classes)
+        self.unions = _unions(unions or {}, self.names)
 
     def scored(self, targets: torch.Tensor) -> torch.Tensor:
         """The pixels that count: a class, and not ``ignore_index``."""
@@ -223,22 +259,110 @@ class Segmentation(Task):
             "count": torch.tensor(len(targets), dtype=torch.int64, device=targets.device),
         }
 
-    def metrics(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
+    def per_sample(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each image's true positives, false positives and false negatives on its scored
+        pixels, per class (``tp_<class>``...) and per union: int64, one entry per image."""
+        targets = targets.long()
+        scored = self.scored(targets)
+        prediction = outputs.argmax(dim=1)
+        rows: dict[str, torch.Tensor] = {}
+        groups = [(name, [c]) for c, name in enumerate(self.names)] + list(self.unions.items())
+        for name, members in groups:
+            classes = torch.tensor(members, device=targets.device)
+            truth = torch.isin(targets, classes) & scored
+            predicted = torch.isin(prediction, classes) & scored
+            rows[f"tp_{name}"] = (truth & predicted).sum((1, 2))
+            rows[f"fp_{name}"] = (predicted & ~truth).sum((1, 2))
+            rows[f"fn_{name}"] = (truth & ~predicted).sum((1, 2))
+        return rows
+
+    def metrics(
+        self, totals: dict[str, torch.Tensor], samples: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, float]:
+        """The metrics of the class docstring from the summed ``totals`` and the per-image
+        ``samples`` (:meth:`per_sample`, concatenated); without ``samples`` only the pooled
+        values and the loss."""
         confusion = totals["confusion"].cpu()
         tp = confusion.diag()
         fp, fn = confusion.sum(0) - tp, confusion.sum(1) - tp
         dice = [_ratio(2 * t, 2 * t + p + n) for t, p, n in zip(tp, fp, fn, strict=True)]
         iou = [_ratio(t, t + p + n) for t, p, n in zip(tp, fp, fn, strict=True)]
         first = 0 if self.include_background else 1
-        out = {
-            "val_loss": totals["loss_sum"].item() / int(totals["count"]),
-            "val_dice": _mean(dice[first:]),
-            "val_iou": _mean(iou[first:]),
-            "val_pixel_accuracy": _ratio(tp.sum(), confusion.sum()),
-        }
-        out.update({f"val_dice_{k}": v for k, v in enumerate(dice)})
-        out.update({f"val_iou_{k}": v for k, v in enumerate(iou)})
+        out = {"val_loss": totals["loss_sum"].item() / int(totals["count"])}
+        if samples is not None:
+            per_image = {name: _per_image(samples, name) for name in self.names}
+            out["val_dice"] = _mean([per_image[n][0] for n in self.names[first:]])
+            out["val_iou"] = _mean([per_image[n][1] for n in self.names[first:]])
+        out["val_dice_pooled"] = _mean(dice[first:])
+        out["val_iou_pooled"] = _mean(iou[first:])
+        out["val_pixel_accuracy"] = _ratio(tp.sum(), confusion.sum())
+        if samples is None:
+            out.update({f"val_dice_{n}_pooled": v for n, v in zip(self.names, dice, strict=True)})
+            return out
+        for name in [*self.names, *self.unions]:
+            mean_dice, mean_iou, empty = _per_image(samples, name)
+            t, p, n = (int(samples[f"{k}_{name}"].sum()) for k in ("tp", "fp", "fn"))
+            out[f"val_dice_{name}"] = mean_dice
+            out[f"val_iou_{name}"] = mean_iou
+            out[f"val_dice_{name}_pooled"] = _ratio(2 * t, 2 * t + p + n)
+            out[f"val_empty_{name}"] = empty
         return out
+
+
+def metric_names(class_names: list[str] | tuple[str, ...] | None, num_classes: int) -> list[str]:
+    """Each class's name in metric names: ``class_names`` with anything but letters, digits
+    and ``_`` replaced by ``_`` (``val_dice_nucleus``), else the class index (``val_dice_1``)."""
+    if class_names is None:
+        return [str(c) for c in range(num_classes)]
+    names = [re.sub(r"\W", "_", str(n)) for n in class_names]
+    if len(names) != num_classes or len(set(names)) != num_classes or "" in names:
+        raise ConfigError(
+            f"class names {list(class_names)} do not name {num_classes} classes once each "
+            "(in metric names: letters, digits, _); give one distinct name per class "
+            "(data.class_names), or none."
+        )
+    return names
+
+
+def _unions(unions: dict[str, list[str | int]], names: list[str]) -> dict[str, list[int]]:
+    """``task.unions`` as class indices, each member a class name or index."""
+    out: dict[str, list[int]] = {}
+    for union, members in unions.items():
+        key = re.sub(r"\W", "_", str(union))
+        indices = []
+        for m in members if isinstance(members, list | tuple) else [members]:
+            if str(m) in names:
+                indices.append(names.index(str(m)))
+            elif isinstance(m, int) and 0 <= m < len(names):
+                indices.append(m)
+            else:
+                raise ConfigError(
+                    f"task.unions.{union}: {m!r} is not a class (classes: {', '.join(names)}); "
+                    "list class names or indices."
+                )
+        if key in names or key in out or len(set(indices)) < 2:
+            raise ConfigError(
+                f"task.unions.{union}: a union needs a name no class or other union has and "
+                f"two or more distinct classes; got {list(members)}."
+            )
+        out[key] = sorted(set(indices))
+    return out
+
+
+def _per_image(samples: dict[str, torch.Tensor], name: str) -> tuple[float, float, int]:
+    """(mean Dice, mean IoU, images left out) of one class over the images (see
+    :class:`Segmentation`): exact per-image ratios, summed by ``math.fsum``."""
+    tp, fp, fn = (samples[f"{k}_{name}"].tolist() for k in ("tp", "fp", "fn"))
+    dice, iou, empty = [], [], 0
+    for t, p, n in zip(tp, fp, fn, strict=True):
+        if t + p + n == 0:  # neither the reference nor the prediction has the class
+            empty += 1
+            continue
+        dice.append(2 * t / (2 * t + p + n))
+        iou.append(t / (t + p + n))
+    if not dice:
+        return math.nan, math.nan, empty
+    return math.fsum(dice) / len(dice), math.fsum(iou) / len(iou), empty
 
 
 def _ratio(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -9,14 +9,18 @@ batch is cut on the host or on the GPU cannot change them.
 ``splits``             :class:`DataSplits` (what a dataset returns), in-memory splits
 ``synthetic``          the embedded datasets (classification, segmentation shapes)
 ``folders``            your images from disk: a folder per class, images with masks
+``splitting``          each folder file's split or fold: a keyed hash of its name
+``intensity``          how a folder image's values become the model's input (data.intensity)
 ``cifar``              CIFAR-10 from its archive, without running pickled code
 ``augment``            keyed augmentation
 ``loading``            the keyed sampler, the micro-batches, the loaders
 =====================  ===============================================================
 
 A dataset is any function that returns :class:`DataSplits`; a config selects it with
-``_target_`` (``conf/data/``). Images are uint8 ``C×H×W``; they become floats on the device
-(:class:`DeviceNormalizer`). Targets are class indices, or per-pixel class masks ``H×W``
+``_target_`` (``conf/data/``). Images are ``C×H×W``, uint8 (8-bit files under
+``data.intensity`` auto: divided by 255 on the device) or float32 (mapped when read,
+:class:`Intensity`); they are normalised on the device (:class:`DeviceNormalizer`).
+Targets are class indices, or per-pixel class masks ``H×W``
 that the augmentation moves with their image.
 """
 
@@ -47,14 +51,13 @@ from repro.data.folders import (
     IMAGE_SUFFIXES,
     LazyImageMasks,
     LazyImages,
-    hold_out_test,
     image_folder,
     image_mask_folder,
-    keyed_split,
     read_image,
     read_image_sized,
     read_mask,
 )
+from repro.data.intensity import Intensity
 from repro.data.loading import (
     DeviceBatches,
     DeviceNormalizer,
@@ -75,6 +78,7 @@ from repro.data.splits import (
     channel_statistics,
     statistics_sample,
 )
+from repro.data.splitting import assign_splits, keyed_unit
 from repro.data.synthetic import SHAPES, synthetic, synthetic_shapes
 
 __all__ = [
@@ -85,8 +89,6 @@ __all__ = [
     "CIFAR10_URL",
     "SHAPES",
     "fetch_cifar10",
-    "hold_out_test",
-    "keyed_split",
     "CROP_PAD",
     "Augmented",
     "CenterResize",
@@ -98,8 +100,10 @@ __all__ = [
     "Resize",
     "SegmentationAugment",
     "albumentations",
+    "assign_splits",
     "IGNORE",
     "IMAGE_SUFFIXES",
+    "Intensity",
     "STATISTICS_SAMPLE",
     "DataSplits",
     "DeviceBatches",
@@ -116,6 +120,7 @@ __all__ = [
     "image_folder",
     "image_mask_folder",
     "keyed_crop_flip_params",
+    "keyed_unit",
     "loading",
     "make_train_loader",
     "on_device",

@@ -1,10 +1,17 @@
 """Augmentation, keyed per sample: the ``augment`` config group (``conf/augment/``).
 
 A pipeline is any callable built from a ``_target_`` (``augment.train``, ``augment.eval``):
-called with one sample, ``(image, target)`` -- a uint8 ``C×H×W`` tensor at the file's own
-size, and a class index or an ``H×W`` mask -- it returns the pair, the image now
+called with one sample, ``(image, target)`` -- a ``C×H×W`` tensor at the file's own size,
+and a class index or an ``H×W`` mask -- it returns the pair, the image now
 ``data.image_size`` square. torchvision's v2 transforms are such callables as they are;
 albumentations' are, through :func:`albumentations`; so is your own function.
+
+**The image's dtype** (``data.intensity``, :mod:`repro.data.intensity`): uint8 for an 8-bit
+file under ``auto`` (the loop divides it by 255 on the device), float32 for everything else
+(16-bit, float, TIFF, ``.npy``, and any file under ``fixed``, ``percentile`` or ``zscore``:
+already mapped when read, so the loop only normalises it). A pipeline returns the dtype it
+got. Colour transforms of other libraries (torchvision's ColorJitter, albumentations')
+assume floats in [0, 1]: give them ``fixed`` or ``percentile`` inputs.
 
 **Keyed by construction** (:class:`KeyedPipeline`). Before a sample's pipeline runs, the
 global torch (CPU), NumPy (legacy) and Python ``random`` states are set from ``(seed,
@@ -40,7 +47,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from repro.data.splits import IGNORE
+from repro.data.splits import IGNORE, stack_images
 from repro.errors import ConfigError, DataError
 from repro.rng import derive_seed, keyed_draws
 
@@ -55,7 +62,8 @@ def crop_flip_batch(
     """Pad each image of an N×C×H×W batch with ``pad`` pixels of ``fill``, crop it back to
     H×W at offset (dy, dx) and flip it horizontally if asked, on its device: ``params`` holds
     each sample's (dy, dx, flip). Pure data movement (one gather of every output pixel's
-    source), so the bytes equal the naive crop's, image by image (tested)."""
+    source), so the bytes equal the naive crop's, image by image (tested), in any dtype
+    (uint8, float32)."""
     n, c, h, w = images.shape
     params = params.to(images.device)
     dy, dx, flip = params[:, 0:1], params[:, 1:2], params[:, 2:3].bool()
@@ -83,8 +91,10 @@ def keyed_crop_flip_params(
 
 
 def resize_image(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """A uint8 ``C×H×W`` image resized to ``size`` (h, w): bilinear with antialiasing, in
-    uint8 (PyTorch's fixed-point path): the same bytes wherever this CPU code runs."""
+    """A uint8 or float32 ``C×H×W`` image resized to ``size`` (h, w): bilinear with
+    antialiasing, in its own dtype -- uint8 in PyTorch's fixed-point path (the same bytes
+    wherever this CPU code runs), float32 in float32 (deterministic on the machine; its
+    weights are positive, so no value leaves the image's range)."""
     if tuple(image.shape[-2:]) == tuple(size):
         return image
     x = image[None].contiguous(memory_format=torch.channels_last)
@@ -93,13 +103,30 @@ def resize_image(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
 
 
 def resize_mask(mask: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """An ``H×W`` class mask resized to ``size`` by nearest neighbour: no class invented."""
+    """An ``H×W`` class mask resized to ``size`` by nearest neighbour on the image's grid: no
+    class invented, and no shift. :func:`resize_image` is centre-aligned (``align_corners=
+    False``: output pixel ``i`` covers source ``[i·h/size, (i+1)·h/size)``), so the mask takes
+    the source pixel under each output pixel's centre (:func:`source_pixels`). Top-left
+    nearest (``floor(i·h/size)``, PyTorch's ``nearest``) would put every mask up to half an
+    output pixel down and right of its image."""
     if tuple(mask.shape[-2:]) == tuple(size):
         return mask
-    h, w = mask.shape[-2:]
-    rows = (torch.arange(size[0]) * h) // size[0]  # exact integer nearest, top-left aligned
-    cols = (torch.arange(size[1]) * w) // size[1]
-    return mask[rows[:, None], cols[None, :]]
+    rows = source_pixels(mask.shape[-2], size[0])
+    return mask[rows[:, None], source_pixels(mask.shape[-1], size[1])]
+
+
+def source_pixels(n: int, size: int, device: torch.device | None = None) -> torch.Tensor:
+    """For each of ``size`` output pixels along an axis of ``n`` source pixels, the source
+    pixel under its centre, ``floor((i + ½)·n/size)``, in exact integers (PyTorch's
+    ``nearest-exact`` away from ties). Where a centre falls exactly on the border of two
+    source pixels (every pixel of a 2× or 4× reduction), the earlier one is taken for even
+    ``i`` and the later for odd ``i``: a fixed side would shift the mask by a quarter of an
+    output pixel at 2×, alternating leaves no shift on average."""
+    i = torch.arange(size, device=device)
+    centre = (2 * i + 1) * n
+    pixel = centre // (2 * size)
+    tie = (centre % (2 * size) == 0) & (pixel > 0)
+    return pixel - (tie & (i % 2 == 0)).long()
 
 
 def _square(size: int | None, image: torch.Tensor) -> tuple[int, int]:
@@ -274,7 +301,8 @@ class SegmentationAugment:
     ``translate`` of the size, flipped horizontally half the time (the image bilinear, the
     mask nearest, the pixels moved in from outside :data:`IGNORE` in the mask) -- then the
     image alone brightened and contrasted by factors in ``1 ± brightness``, ``1 ±
-    contrast``. Draws from the keyed ``generator`` only."""
+    contrast``. Draws from the keyed ``generator`` only. Keeps the image's dtype: uint8
+    rounded and clamped to 0..255, float32 (already mapped) neither."""
 
     keyed = True
 
@@ -309,13 +337,87 @@ class SegmentationAugment:
         x = moved[0] * (1 + self.brightness * (2 * u[5] - 1))
         mean = x.mean()
         x = (x - mean) * (1 + self.contrast * (2 * u[6] - 1)) + mean
-        image = x.round().clamp(0, 255).to(torch.uint8)
+        # uint8 rounded and clamped, as always; float32 (already mapped) as computed
+        image = x.round().clamp(0, 255).to(torch.uint8) if image.dtype == torch.uint8 else x
         if isinstance(target, torch.Tensor) and target.dim() == 2:
             both = torch.stack([target.float(), torch.ones_like(target, dtype=torch.float32)])
             moved = F.grid_sample(both[None], grid, mode="nearest", align_corners=False)[0]
             inside = moved[1] > 0.5
             target = torch.where(inside, moved[0], float(IGNORE)).to(target.dtype)
         return image, target
+
+
+class RandomPatch:
+    """Training at each image's own scale (``augment=patches``): a ``size`` patch ((h, w), or
+    one side for a square) cut from the image where a keyed draw puts it, nothing resized;
+    where the image is smaller than the patch it sits at a drawn place inside it, padded
+    with 0 (its mask with :data:`IGNORE`: not scored). Then flipped left-right and up-down,
+    each with probability ``flip``, and a square patch turned by a drawn multiple of 90°
+    (``rotate``); the image alone scaled by brightness and contrast factors in ``1 ±
+    brightness`` and ``1 ± contrast``. The geometry is pure data movement, so the mask keeps
+    its image's very grid. Draws from the keyed ``generator`` only. Evaluation then runs at
+    each image's own size (``inference.mode=native``)."""
+
+    keyed = True
+
+    def __init__(
+        self,
+        size: int | Sequence[int],
+        flip: float = 0.5,
+        rotate: bool = True,
+        brightness: float = 0.0,
+        contrast: float = 0.0,
+    ) -> None:
+        sides = [size, size] if isinstance(size, int) else list(size)
+        if len(sides) != 2 or not all(isinstance(v, int) and v >= 1 for v in sides):
+            raise ConfigError(
+                f"config error: augment RandomPatch(size={size!r}) is invalid; allowed: an "
+                "integer >= 1 or [height, width]."
+            )
+        self.size = (int(sides[0]), int(sides[1]))
+        self.flip, self.rotate = float(flip), bool(rotate)
+        self.brightness, self.contrast = float(brightness), float(contrast)
+
+    def __call__(
+        self, image: torch.Tensor, target: Any, *, generator: torch.Generator
+    ) -> tuple[torch.Tensor, Any]:
+        u = torch.rand(7, generator=generator, dtype=torch.float64).tolist()
+        (ph, pw), (c, h, w) = self.size, image.shape
+        ys, yd, hh = _placement(h, ph, u[0])
+        xs, xd, ww = _placement(w, pw, u[1])
+        patch = image.new_zeros((c, ph, pw))
+        patch[:, yd : yd + hh, xd : xd + ww] = image[:, ys : ys + hh, xs : xs + ww]
+        is_mask = isinstance(target, torch.Tensor) and target.dim() == 2
+        if is_mask:
+            mask = target.new_full((ph, pw), IGNORE)
+            mask[yd : yd + hh, xd : xd + ww] = target[ys : ys + hh, xs : xs + ww]
+        dims = [d for d, draw in ((-1, u[2]), (-2, u[3])) if draw < self.flip]
+        turns = int(u[4] * 4) if self.rotate and ph == pw else 0
+        patch = torch.rot90(patch.flip(dims), turns, (-2, -1)) if dims or turns else patch
+        if is_mask:
+            target = torch.rot90(mask.flip(dims), turns, (-2, -1)) if dims or turns else mask
+        if self.brightness or self.contrast:
+            patch = _brightness_contrast(
+                patch, 1 + self.brightness * (2 * u[5] - 1), 1 + self.contrast * (2 * u[6] - 1)
+            )
+        return patch.contiguous(), target.contiguous() if is_mask else target
+
+
+def _placement(n: int, size: int, u: float) -> tuple[int, int, int]:
+    """Along one axis of ``n`` pixels, a patch of ``size``: (source start, start in the
+    patch, length), drawn by ``u`` in [0, 1)."""
+    if n >= size:
+        return int(u * (n - size + 1)), 0, size
+    return 0, int(u * (size - n + 1)), n
+
+
+def _brightness_contrast(image: torch.Tensor, brightness: float, contrast: float) -> torch.Tensor:
+    """The image scaled by ``brightness``, then its contrast about its mean by ``contrast``:
+    uint8 rounded and clamped to 0..255; float32 left as computed."""
+    x = image.float() * brightness
+    mean = x.mean()
+    x = (x - mean) * contrast + mean
+    return x.round().clamp(0, 255).to(torch.uint8) if image.dtype == torch.uint8 else x
 
 
 class Compose:
@@ -436,7 +538,7 @@ def keyed_global_state(seed: int, epoch: int, index: int) -> Iterator[None]:
 class KeyedPipeline:
     """A built pipeline and the training seed: called with a sample and its key ``(epoch,
     index)``, it runs the pipeline keyed (see the module docstring) and checks what comes
-    out (a uint8 C×H×W image, a mask of the image's size)."""
+    out (a C×H×W image of the input's dtype, uint8 or float32; a mask of the image's size)."""
 
     def __init__(self, pipeline: Callable | None, seed: int, purpose: str = "augment") -> None:
         self.pipeline, self.seed, self.purpose = pipeline, seed, purpose
@@ -456,7 +558,7 @@ class KeyedPipeline:
         else:
             with keyed_global_state(*key):
                 out = _call(self.pipeline, image, target, key)
-        return _checked(out, self.name)
+        return _checked(out, self.name, image.dtype)
 
     @property
     def size(self) -> int | None:
@@ -509,22 +611,36 @@ def _name(pipeline: Any) -> str:
     return f"{kind.__module__}.{kind.__qualname__}"
 
 
-def _checked(out: Any, name: str) -> tuple[torch.Tensor, Any]:
+def _checked(out: Any, name: str, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, Any]:
+    """``out`` if it is an (image, target) pair whose image is a uint8 or float32 C×H×W
+    tensor -- of ``dtype``, the input's, when given: uint8 stays uint8 (the loop divides it
+    by 255), float32 stays float32 (already mapped) -- and whose mask has its size."""
     if not (isinstance(out, tuple | list) and len(out) == 2):
         raise DataError(
             f"augment: {name} returned {type(out).__name__}, not (image, target); a pipeline "
             "takes one sample's (image, target) and returns the pair."
         )
     image, target = out
-    if not isinstance(image, torch.Tensor) or image.dtype != torch.uint8 or image.dim() != 3:
+    if (
+        not isinstance(image, torch.Tensor)
+        or image.dtype not in (torch.uint8, torch.float32)
+        or image.dim() != 3
+    ):
         what = (
             f"a {image.dtype} tensor of shape {tuple(image.shape)}"
             if isinstance(image, torch.Tensor)
             else type(image).__name__
         )
         raise DataError(
-            f"augment: {name} returned {what} as the image, not a uint8 C×H×W tensor; end "
-            "the pipeline on one (torchvision: no ToDtype/Normalize, the loop normalises)."
+            f"augment: {name} returned {what} as the image, not a uint8 or float32 C×H×W "
+            "tensor; end the pipeline on one (torchvision: no ToDtype/Normalize, the loop "
+            "normalises)."
+        )
+    if dtype is not None and image.dtype != dtype:
+        raise DataError(
+            f"augment: {name} turned a {dtype} image into a {image.dtype} one; a pipeline "
+            "returns the dtype it gets (uint8: the loop divides by 255; float32: already "
+            "mapped by data.intensity), so no ToDtype or Normalize."
         )
     if isinstance(target, torch.Tensor) and target.dim() == 2 and target.shape != image.shape[1:]:
         raise DataError(
@@ -542,7 +658,7 @@ def stack(images: list[torch.Tensor], name: str) -> torch.Tensor:
             f"({', '.join(str(x) for x in sorted(shapes)[:3])}); end the pipeline with a resize "
             "or crop to data.image_size."
         )
-    return torch.stack(images)
+    return stack_images(images)
 
 
 def stack_targets(targets: list[Any]) -> torch.Tensor:
@@ -564,11 +680,13 @@ def check_pipelines(
     sample: tuple[torch.Tensor, Any],
     val_sample: tuple[torch.Tensor, Any],
     size: int | None,
+    native: bool = False,
 ) -> None:
     """Before the first step (nothing written yet): the training pipeline gives one output
     for one key, :data:`REPEATS` times (else it has a random state of its own: one line
     naming the transform), and
-    both pipelines give ``size`` × ``size`` images. A pipeline that gives one output for two
+    both pipelines give ``size`` × ``size`` images -- the training one only, when evaluation
+    sees each image at its own size (``native``). A pipeline that gives one output for two
     keys is not random: logged, not refused."""
     a, c = train(*sample, 0, 0), train(*sample, 0, 1)
     # a private generator that draws little (a coin flip) can repeat itself: several calls
@@ -586,7 +704,7 @@ def check_pipelines(
         ("train", train, a),
         ("eval", evaluation, evaluation(*val_sample, 0, 0)),
     ):
-        if size and tuple(image.shape[1:]) != (size, size):
+        if size and tuple(image.shape[1:]) != (size, size) and not (native and which == "eval"):
             raise ConfigError(
                 f"augment.{which}: {pipeline.name} gives {tuple(image.shape[1:])} images where "
                 f"data.image_size={size} asks for ({size}, {size}); end it with a resize or "

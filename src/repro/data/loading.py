@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from repro.data.augment import KeyedPipeline, Resize
-from repro.data.splits import DataSplits, Split, TensorImages
+from repro.data.splits import DataSplits, Split, TensorImages, stack_images
 from repro.errors import ConfigError, DataError, ReproError
 from repro.rng import keyed_generator, keyed_permutation, worker_init_fn
 
@@ -185,7 +185,7 @@ def on_device(split: Split, size: int | None, device: torch.device) -> TensorIma
         if isinstance(pairs[0][1], torch.Tensor) and pairs[0][1].dim() == 2
         else torch.as_tensor([int(t) for _, t in pairs])
     )
-    return TensorImages(torch.stack([i for i, _ in pairs]), labels).to(device)
+    return TensorImages(stack_images([i for i, _ in pairs]), labels).to(device)
 
 
 def _init_worker(worker_id: int) -> None:
@@ -290,8 +290,9 @@ def _one_line_errors(batches: Iterator) -> Iterator:
 
 
 class DeviceNormalizer:
-    """uint8 images -> normalised float32 on the device (in ``channels_last`` memory format
-    if asked: the model's)."""
+    """Images -> normalised float32 on the device (in ``channels_last`` memory format if
+    asked: the model's): uint8 ones divided by 255 first, float32 ones (mapped by
+    ``data.intensity`` when read) as they are."""
 
     def __init__(
         self, splits: DataSplits, device: torch.device, channels_last: bool = False
@@ -303,15 +304,18 @@ class DeviceNormalizer:
         self.mean = torch.tensor(mean, device=device).view(shape)
         self.std = torch.tensor(std, device=device).view(shape)
 
+    def normalised_zero(self) -> torch.Tensor:
+        """What an input pixel of value 0 becomes, per channel (C, on the device): the value
+        an image is padded with after normalisation, as a training crop pads before it."""
+        return (-self.mean / self.std).view(-1)
+
     def __call__(
         self, images: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        x = (
-            images.to(self.device, non_blocking=True)
-            .float()
-            .div_(255)
-            .sub_(self.mean)
-            .div_(self.std)
-            .contiguous(memory_format=self.memory_format)
-        )
+        x = images.to(self.device, non_blocking=True)
+        if x.dtype == torch.uint8:  # 8-bit images: into [0, 1] here, as always
+            x = x.float().div_(255).sub_(self.mean)
+        else:  # float32, already mapped (data.intensity): a new tensor, the batch untouched
+            x = x.float().sub(self.mean)
+        x = x.div_(self.std).contiguous(memory_format=self.memory_format)
         return x, labels.to(self.device, non_blocking=True).long()  # uint8 masks too

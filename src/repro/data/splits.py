@@ -3,11 +3,12 @@ and :class:`DataSplits`, which a dataset factory returns; the normalisation stat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
+from repro.data.intensity import clipped_record
 from repro.errors import DataError
 
 # The mask value of pixels that are not scored: unlabelled pixels in a mask (as in Pascal
@@ -17,15 +18,17 @@ IGNORE = 255
 
 @dataclass
 class TensorImages:
-    """An in-memory split: ``images`` uint8 N×C×H×W; ``labels`` the targets: class indices
-    (int64, N) or per-pixel class masks (uint8 or int64, N×H×W, the images' H×W)."""
+    """An in-memory split: ``images`` N×C×H×W, uint8 (divided by 255 on the device) or
+    float32 (already the model's input scale: normalised only); ``labels`` the targets:
+    class indices (int64, N) or per-pixel class masks (uint8 or int64, N×H×W, the images'
+    H×W)."""
 
     images: torch.Tensor
     labels: torch.Tensor
 
     def __post_init__(self) -> None:
-        if self.images.dtype != torch.uint8 or self.images.dim() != 4:
-            raise ValueError("images must be a uint8 tensor of shape N×C×H×W")
+        if self.images.dtype not in (torch.uint8, torch.float32) or self.images.dim() != 4:
+            raise ValueError("images must be a uint8 or float32 tensor of shape N×C×H×W")
         if len(self.images) != len(self.labels):
             raise ValueError("images and labels differ in length")
         if self.labels.dim() == 3:
@@ -65,11 +68,16 @@ class TensorImages:
 @dataclass
 class ImageList:
     """An in-memory split of images of their own sizes (``image_folder`` with
-    ``in_memory``): a list of uint8 C×H×W ``images`` and their targets (class indices N, or
-    a list of H×W masks)."""
+    ``in_memory``): a list of uint8 or float32 C×H×W ``images`` (already mapped by
+    ``intensity``, the folder's :class:`repro.data.intensity.Intensity`) and their targets
+    (class indices N, or a list of H×W masks); ``clipped``: the values each of the first
+    :data:`STATISTICS_SAMPLE` images had clipped, and how many it has (by index)."""
 
     images: list[torch.Tensor]
     labels: torch.Tensor | list[torch.Tensor]
+    intensity: Any = None
+    clipped: dict[int, tuple[int, int]] = field(default_factory=dict)
+    names: list[str] | None = None  # each sample's name in per-sample records (its file)
 
     def __len__(self) -> int:
         return len(self.images)
@@ -99,8 +107,10 @@ class Split(Protocol):
     def __len__(self) -> int: ...
 
     def fetch(self, index: torch.Tensor) -> tuple[Any, Any]:
-        """The samples at ``index``: uint8 images (N×C×H×W, or a list of C×H×W tensors of
-        their own sizes) and their targets (labels N; masks N×H×W or a list of H×W)."""
+        """The samples at ``index``: images as the augmentation pipeline takes them, uint8
+        (an 8-bit file under ``data.intensity`` auto) or float32 (anything else, already
+        mapped) -- N×C×H×W, or a list of C×H×W tensors of their own sizes -- and their
+        targets (labels N; masks N×H×W or a list of H×W)."""
         ...
 
 
@@ -130,7 +140,11 @@ class Augmented:
         return getattr(self.split, "device", torch.device("cpu"))
 
     def fetch(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        images, targets = self.split.fetch(index)
+        return self.apply(*self.split.fetch(index), index)
+
+    def apply(self, images: Any, targets: Any, index: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """The samples ``index`` as fetched from the split (``images``, ``targets``) through
+        the pipeline, keyed by ``(seed, "augment", 0, index)``, stacked."""
         epochs = torch.zeros(1, dtype=torch.int64, device=index.device)
         if self.pipeline.batched(images):
             return self.pipeline.keyed_batch(images, targets, epochs, index)
@@ -156,6 +170,9 @@ class DataSplits:
     test: Split | None = None  # held out until the end (trainer.test, repro evaluate)
     image_size: int | None = None
     class_names: tuple[str, ...] | None = None  # class i's name (a folder's); None: unnamed
+    # data.intensity's rule and the fraction of the values it clipped in the statistics
+    # sample (repro.data.intensity.clipped_record): set by normalisation(); None: no rule
+    intensity: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.augment is not None:
@@ -184,10 +201,16 @@ class DataSplits:
 
     def normalisation(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """``(mean, std)``: the dataset's, or computed once from :func:`statistics_sample`
-        seen through the evaluation pipeline (so the same in every loader mode)."""
+        seen through the evaluation pipeline (so the same in every loader mode). Then the
+        :attr:`intensity` record: the training split's ``data.intensity`` rule and the
+        fraction of the values it clipped in that sample (its first
+        :data:`STATISTICS_SAMPLE` images, read in this process: the same in every loader
+        mode, worker count and process)."""
         if self.mean is None or self.std is None:
             sample = statistics_sample(self.train, self.eval_pipeline)
             self.mean, self.std = channel_statistics(sample)
+        if self.intensity is None:
+            self.intensity = clipped_record(self.train, min(len(self.train), STATISTICS_SAMPLE))
         return self.mean, self.std
 
 
@@ -195,19 +218,37 @@ class DataSplits:
 STATISTICS_SAMPLE = 256
 
 
-def channel_statistics(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Per-channel mean and standard deviation (at least 1e-3) of uint8 N×C×H×W images, in
-    [0, 1]: what the inputs are normalised with."""
-    x = images.to(torch.float64).div(255)
-    return tuple(x.mean(dim=(0, 2, 3)).tolist()), tuple(
-        x.std(dim=(0, 2, 3)).clamp_min(1e-3).tolist()
-    )
+def channel_statistics(
+    images: torch.Tensor | list[torch.Tensor],
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and standard deviation (at least 1e-3) of N×C×H×W images, or of a
+    list of C×H×W images of their own sizes (every pixel counts once): uint8 in [0, 1]
+    (divided by 255), float32 as they are -- what the inputs are normalised with."""
+    if isinstance(images, torch.Tensor):
+        x = _unit(images)
+        return tuple(x.mean(dim=(0, 2, 3)).tolist()), tuple(
+            x.std(dim=(0, 2, 3)).clamp_min(1e-3).tolist()
+        )
+    pixels = sum(int(i[0].numel()) for i in images)
+    mean = sum(_unit(i).sum(dim=(1, 2)) for i in images) / pixels  # in image order: fixed
+    squares = sum(((_unit(i) - mean.view(-1, 1, 1)) ** 2).sum(dim=(1, 2)) for i in images)
+    std = (squares / max(pixels - 1, 1)).sqrt().clamp_min(1e-3)
+    return tuple(mean.tolist()), tuple(std.tolist())
 
 
-def statistics_sample(split: Split, pipeline: Any = None) -> torch.Tensor:
+def _unit(images: torch.Tensor) -> torch.Tensor:
+    """float64 images: uint8 ones divided by 255 (into [0, 1]), others as they are."""
+    x = images.to(torch.float64)
+    return x.div(255) if images.dtype == torch.uint8 else x
+
+
+def statistics_sample(split: Split, pipeline: Any = None) -> torch.Tensor | list[torch.Tensor]:
     """The images the channel mean and std are computed from: all of a split in memory at
     one size (:class:`TensorImages`); else the first :data:`STATISTICS_SAMPLE` (in file
-    order); seen through ``pipeline`` (the evaluation one), if given."""
+    order); seen through ``pipeline`` (the evaluation one), if given. Images of several
+    sizes (no pipeline to one size: evaluation at each image's own) come as a list."""
+    if pipeline is not None and pipeline.pipeline is None:
+        pipeline = None  # none at all: the images as they are
     if isinstance(split, TensorImages) and (pipeline is None or pipeline.batched(split.images)):
         index = torch.arange(len(split), device=split.device)
     else:
@@ -215,4 +256,17 @@ def statistics_sample(split: Split, pipeline: Any = None) -> torch.Tensor:
     if pipeline is not None:
         return Augmented(split, pipeline).fetch(index)[0]
     images = split.fetch(index)[0]
-    return images if isinstance(images, torch.Tensor) else torch.stack(images)
+    if isinstance(images, torch.Tensor):
+        return images
+    return stack_images(images) if len({tuple(i.shape) for i in images}) == 1 else list(images)
+
+
+def stack_images(images: list[torch.Tensor]) -> torch.Tensor:
+    """C×H×W images of one size stacked into N×C×H×W. Of one dtype, as they are; uint8
+    beside float32 (8-bit files beside deeper ones under ``data.intensity`` auto), all
+    float32 with the uint8 ones divided by 255 -- what the loop does to a uint8 batch on the
+    device, in the same float32 division -- instead of ``torch.stack`` casting them as they
+    are (0..255 beside [0, 1])."""
+    if len({i.dtype for i in images}) > 1:
+        images = [i.float().div_(255) if i.dtype == torch.uint8 else i for i in images]
+    return torch.stack(images)

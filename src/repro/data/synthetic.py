@@ -5,6 +5,7 @@ classification set (:func:`synthetic`) and a segmentation set of shapes
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 
@@ -153,4 +154,65 @@ def synthetic_shapes(
         num_classes,
         test=test,
         image_size=image_size,
+        class_names=("background", *SHAPES[: num_classes - 1]),
     )
+
+
+NUCLEI_CLASSES = ("background", "nucleus", "boundary")
+
+
+def write_nuclei_folder(
+    path: str | Path,
+    count: int = 40,
+    seed: int = 0,
+    sizes: tuple[int, int] = (150, 260),
+    bits: int = 12,
+) -> list[Path]:
+    """Write a microscopy-like segmentation folder that :func:`repro.data.image_mask_folder`
+    reads: ``count`` grayscale images of their own non-square sizes (sides in ``sizes``),
+    ``bits``-bit intensities stored as 16-bit PNGs (``images/cell_NNN.png``), and their masks
+    (``masks/cell_NNN.png``): 0 background, 1 nucleus, 2 its 2-pixel boundary
+    (:data:`NUCLEI_CLASSES`), 255 (not scored) in a corner block of every fourth image.
+    Generated from ``seed``; returns the image files. Nothing is overwritten: an existing
+    file is an error."""
+    from repro.data.folders import _pillow
+
+    Image = _pillow()
+    root = Path(path)
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    (root / "masks").mkdir(parents=True, exist_ok=True)
+    top = 2**bits - 1
+    written = []
+    for i in range(count):
+        g = keyed_generator(seed, "nuclei", i)
+        h, w = (int(v) for v in torch.randint(sizes[0], sizes[1] + 1, (2,), generator=g))
+        w += int(h == w)  # never square
+        yy = torch.arange(h, dtype=torch.float32).view(-1, 1) + 0.5
+        xx = torch.arange(w, dtype=torch.float32).view(1, -1) + 0.5
+        level = 0.06 + 0.04 * float(torch.rand((), generator=g))
+        image = torch.full((h, w), level * top) + 0.02 * top * (yy / h - xx / w)
+        mask = torch.zeros(h, w, dtype=torch.uint8)
+        for _ in range(int(torch.randint(3, 10, (), generator=g))):
+            cy, cx = float(torch.rand((), generator=g)) * h, float(torch.rand((), generator=g)) * w
+            ry, rx = (6 + 12 * torch.rand(2, generator=g)).tolist()
+            angle = math.pi * float(torch.rand((), generator=g))
+            dy, dx = yy - cy, xx - cx
+            u = dy * math.cos(angle) + dx * math.sin(angle)
+            v = -dy * math.sin(angle) + dx * math.cos(angle)
+            inside = (u / ry) ** 2 + (v / rx) ** 2 <= 1
+            core = (u / (ry - 2)) ** 2 + (v / (rx - 2)) ** 2 <= 1
+            bright = (0.35 + 0.45 * float(torch.rand((), generator=g))) * top
+            image = torch.where(core, bright, image)
+            image = torch.where(inside & ~core, bright * 1.25, image)
+            mask = torch.where(core, 1, torch.where(inside, 2, mask)).to(torch.uint8)
+        image = image + 0.015 * top * torch.randn(h, w, generator=g)
+        if i % 4 == 3:
+            mask[:12, :12] = 255
+        pixels = image.round().clamp(0, top).to(torch.int32).numpy().astype("uint16")
+        for folder, array in (("images", pixels), ("masks", mask.numpy())):
+            target = root / folder / f"cell_{i:03d}.png"
+            if target.exists():
+                raise DataError(f"{target} exists; write the folder somewhere new.")
+            Image.fromarray(array).save(target)
+        written.append(root / "images" / f"cell_{i:03d}.png")
+    return written
