@@ -61,35 +61,41 @@ def window_speed(tile_batch: int, sides: list[int], repeats: int) -> list[dict]:
 
     cfg = compose(["experiment=segmentation_native", "data=synthetic_shapes", "data.num_classes=3",
                    "data.image_size=128", "augment=none"])  # fmt: skip
-    device = torch.device("cuda")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     apply_determinism(cfg, device)
-    from repro.build import build_model
+    from repro.build import Precision, build_model
 
     images = torch.zeros(2, 1, 128, 128, dtype=torch.uint8)
     data = DataSplits(TensorImages(images, torch.zeros(2, 128, 128, dtype=torch.uint8)),
                       TensorImages(images, torch.zeros(2, 128, 128, dtype=torch.uint8)), 3)  # fmt: skip
     model = build_model(cfg, data, device).eval()
+    precision = Precision(cfg.amp, device)  # the preset's: bf16 autocast
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with precision.autocast():
+            return model(x)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     window = Window("native", (128, 128), 0.5, 0.125, tile_batch)
     rows = []
     for side in sides:
         x = torch.randn(1, side, side, device=device)
 
         def plain(x: torch.Tensor = x) -> None:
-            model(x[None])
+            forward(x[None])
 
         def tiled(x: torch.Tensor = x) -> None:
-            predict_logits(model, x, window)
+            predict_logits(forward, x, window)
 
-        row = {"side": side}
+        row = {"side": side, "tile_batch": tile_batch}
         with torch.no_grad():
             for name, fn in (("whole", plain), ("sliding", tiled)):
                 times = []
                 for _ in range(repeats + 1):
-                    torch.cuda.synchronize()
+                    sync()
                     t = time.perf_counter()
                     for _ in range(10):
                         fn()
-                    torch.cuda.synchronize()
+                    sync()
                     times.append((time.perf_counter() - t) / 10)
                 row[f"{name}_images_per_second"] = 1 / statistics.median(times[1:])
         row["sliding_over_whole"] = (
@@ -106,22 +112,45 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--images", type=int, default=200)
-    p.add_argument("--tile-batch", type=int, default=4)
+    p.add_argument("--tile-batch", type=int, nargs="+", default=[4], help="tile batches timed")
+    p.add_argument("--window-only", action="store_true", help="only part 3, the sliding window")
+    p.add_argument("--sides", type=int, nargs="+", default=[512, 1024], help="image sides timed")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks")
+    p.add_argument("overrides", nargs="*", help="added to every training run (e.g. amp=off)")
     args = p.parse_args()
+    from repro.config import compose
+    from repro.process_env import pin_process_environment
+
+    pin_process_environment(compose([]).determinism)  # strict: re-executes once, as train.py
     from repro.data.synthetic import write_nuclei_folder
     from repro.fingerprint import environment
 
     env = environment()
+    if args.window_only:
+        speed = [row for tb in args.tile_batch for row in window_speed(tb, args.sides, args.repeats)]
+        lines = [
+            f"# Sliding-window inference speed ({today()})", "",
+            f"- where: {environment_line(env)}", f"- command: `{command_line()}`",
+            "- the `experiment=segmentation_native` UNet (width 16, depth 3, bf16 autocast), "
+            "strict flags, one image a call, 10 calls a repeat, median of the repeats", "",
+            "| side | tile_batch | whole img/s | sliding img/s | sliding / whole |",
+            "|---|---|---|---|---|",
+            *(f"| {r['side']}² | {r['tile_batch']} | {r['whole_images_per_second']:.1f} | "
+              f"{r['sliding_images_per_second']:.1f} | {r['sliding_over_whole']:.3f} |" for r in speed),
+        ]  # fmt: skip
+        record = {"environment": env, "command": command_line(), "window": speed}
+        write_results(args.out, "sliding-window", today(), env, "\n".join(lines) + "\n", record)
+        return
     work = Path(tempfile.mkdtemp(prefix="native-bench-"))
     folder = work / "nuclei"
     write_nuclei_folder(folder, count=args.images, seed=0)
     pairs = []
     for r in range(args.repeats):
-        strict = train(work / f"strict-{r}", folder, args.steps, "determinism=strict")
-        fast = train(work / f"fast-{r}", folder, args.steps, "determinism=fast")
+        strict = train(work / f"strict-{r}", folder, args.steps, "determinism=strict", *args.overrides)
+        fast = train(work / f"fast-{r}", folder, args.steps, "determinism=fast", *args.overrides)
         s, f = strict["steady_images_per_second"], fast["steady_images_per_second"]
-        pairs.append({"strict": s, "fast": f, "ratio": s / f})
+        waits = (strict["loader_wait_fraction"], fast["loader_wait_fraction"])
+        pairs.append({"strict": s, "fast": f, "ratio": s / f, "waits": waits})
         print(
             f"repeat {r}: strict {s:.0f} img/s, fast {f:.0f} img/s, ratio {s / f:.3f}", flush=True
         )
@@ -129,7 +158,7 @@ def main() -> None:
     for name, loader in (("multi-a", "loader=multi"), ("multi-b", "loader=multi"),
                          ("single", "loader=single")):  # fmt: skip
         run = work / f"bits-{name}"
-        summary = train(run, folder, args.steps // 3, loader)
+        summary = train(run, folder, args.steps // 3, loader, *args.overrides)
         bits[name] = {
             "weights_sha256": summary["weights_sha256"],
             "val_per_image_sha256": hashlib.sha256(
@@ -141,7 +170,7 @@ def main() -> None:
     identical = (
         len({json.dumps({k: v for k, v in b.items()}, sort_keys=True) for b in bits.values()}) == 1
     )
-    speed = window_speed(args.tile_batch, [512, 1024], args.repeats)
+    speed = [row for tb in args.tile_batch for row in window_speed(tb, args.sides, args.repeats)]
     ratios = [x["ratio"] for x in pairs]
     lines = [
         f"# Native-resolution segmentation ({today()})", "",
@@ -149,18 +178,19 @@ def main() -> None:
         f"- data: {args.images} generated non-square 12-bit images (150-260 px, 16-bit PNG), "
         "3 classes; `experiment=segmentation_native` (128² patches, sliding-window validation)", "",
         "## strict / fast (steady img/s of training)", "",
-        "| repeat | strict | fast | strict / fast |", "|---|---|---|---|",
-        *(f"| {i} | {x['strict']:.0f} | {x['fast']:.0f} | {x['ratio']:.3f} |" for i, x in enumerate(pairs)),
+        "| repeat | strict | fast | strict / fast | loader wait (strict, fast) |", "|---|---|---|---|---|",
+        *(f"| {i} | {x['strict']:.0f} | {x['fast']:.0f} | {x['ratio']:.3f} | "
+          f"{x['waits'][0]:.3f}, {x['waits'][1]:.3f} |" for i, x in enumerate(pairs)),
         "", f"median ratio **{statistics.median(ratios):.3f}** (min {min(ratios):.3f}, max {max(ratios):.3f})", "",
         "## the same bits across loaders and repeats", "",
         "| run | weights | val_per_image.csv | predict (all masks) | val_dice |", "|---|---|---|---|---|",
         *(f"| {k} | `{v['weights_sha256'][:16]}` | `{v['val_per_image_sha256'][:16]}` | "
           f"`{v['predict_sha256'][:16]}` | {v['val_dice']:.4f} |" for k, v in bits.items()),
         "", f"identical: **{identical}**", "",
-        f"## sliding window vs a whole-image forward (strict flags, tile 128², overlap 0.5, tile_batch {args.tile_batch})", "",
-        "| side | whole img/s | sliding img/s | sliding / whole |", "|---|---|---|---|",
-        *(f"| {r['side']}² | {r['whole_images_per_second']:.1f} | {r['sliding_images_per_second']:.1f} | "
-          f"{r['sliding_over_whole']:.3f} |" for r in speed),
+        "## sliding window vs a whole-image forward (strict flags, the preset's precision, tile 128², overlap 0.5)", "",
+        "| side | tile_batch | whole img/s | sliding img/s | sliding / whole |", "|---|---|---|---|---|",
+        *(f"| {r['side']}² | {r['tile_batch']} | {r['whole_images_per_second']:.1f} | "
+          f"{r['sliding_images_per_second']:.1f} | {r['sliding_over_whole']:.3f} |" for r in speed),
     ]  # fmt: skip
     record = {"environment": env, "command": command_line(), "pairs": pairs, "bits": bits,
               "identical": identical, "window": speed}  # fmt: skip

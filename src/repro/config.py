@@ -154,7 +154,7 @@ class InferenceConfig:
     tile: Any = None  # native: [h, w] (null: data.image_size square, the training patch)
     overlap: float = 0.5  # native: the fraction of a tile its neighbour shares
     sigma: float = 0.125  # native: the Gaussian weight's σ, a fraction of the tile's side
-    tile_batch: int = 4  # native: tiles a forward; part of the bits (recorded)
+    tile_batch: int = 64  # native: tiles a forward; part of the bits (recorded)
     mirror: bool = False  # native: test-time mirroring (4 forwards a tile, averaged)
 
 

@@ -46,7 +46,7 @@ class Window:
     tile: tuple[int, int] | None = None  # native: the window (h, w)
     overlap: float = 0.5  # fraction of a tile shared with its neighbour
     sigma: float = 0.125  # Gaussian σ as a fraction of the tile's side
-    tile_batch: int = 4  # tiles a forward (part of the bits)
+    tile_batch: int = 64  # tiles a forward (part of the bits)
     mirror: bool = False  # test-time mirroring: 4 forwards a tile
 
     @classmethod
@@ -65,7 +65,7 @@ class Window:
             tile,
             float(node.get("overlap", 0.5)),
             float(node.get("sigma", 0.125)),
-            int(node.get("tile_batch", 4)),
+            int(node.get("tile_batch", 64)),
             bool(node.get("mirror", False)),
         )
         if window.mode == "native" and window.tile is None:
