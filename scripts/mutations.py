@@ -212,6 +212,43 @@ MUTATIONS = [
             "tests/test_compile.py::test_channels_last_repeats_with_any_loader_and_is_recorded",
         ],
     ),
+    Mutation(
+        "mask-top-left",
+        "a mask resized by top-left nearest, floor(i·n/size): half an output pixel off its image",
+        "src/repro/data/augment.py",
+        "    centre = (2 * i + 1) * n\n",
+        "    centre = 2 * i * n\n",
+        [
+            "tests/test_geometry.py::test_resize_puts_the_mask_on_its_images_grid[size0]",
+            "tests/test_geometry.py::test_a_mask_taken_to_training_size_and_back_keeps_more_of_itself",
+        ],
+    ),
+    Mutation(
+        "split-by-position",
+        "a file's split keyed by its position in the sorted folder, not by its name",
+        "src/repro/data/splitting.py",
+        'u = {k: keyed_unit(seed, purpose + "/split", k) for k in units}',
+        'u = {k: keyed_unit(seed, purpose + "/split", str(i)) for i, k in enumerate(units)}',
+        ["tests/test_splits.py::test_adding_a_file_moves_no_other_file"],
+    ),
+    Mutation(
+        "dice-pooled-headline",
+        "the headline val_dice pooled over the split's pixels, not the mean over images",
+        "src/repro/tasks.py",
+        'out["val_dice"] = _mean([per_image[n][0] for n in self.names[first:]])',
+        'out["val_dice"] = _mean(dice[first:])',
+        [
+            "tests/test_segmentation.py::test_the_headline_is_the_per_image_mean_and_the_pooled_value_is_kept"
+        ],
+    ),
+    Mutation(
+        "scored-at-training-size",
+        "a squashed model scored against its resized masks, not each native mask",
+        "src/repro/evaluation.py",
+        "if back and _masks_off_size(targets, pipeline.size):",
+        "if False:",
+        ["tests/test_native.py::test_a_squashed_model_is_scored_against_each_native_mask"],
+    ),
 ]
 
 

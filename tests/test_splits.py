@@ -41,13 +41,14 @@ def test_the_keyed_number_of_a_name_is_pinned():
 
 
 def test_adding_a_file_moves_no_other_file():
-    names = [f"img{i:04d}" for i in range(301)]
-    before, after = split_of(names[:300]), split_of(names)
-    assert all(after[n] == before[n] for n in names[:300])
+    names = [f"img{i:04d}" for i in range(300)]
+    more = ["img", *names, "img0150a", "zzz"]  # new files first, between and last in order
+    before, after = split_of(names), split_of(more)
+    assert all(after[n] == before[n] for n in names)
     for fold in range(5):  # nor a fold
-        before = split_of(names[:300], folds=5, fold=fold)
-        after = split_of(names, folds=5, fold=fold)
-        assert all(after[n] == before[n] for n in names[:300])
+        before = split_of(names, folds=5, fold=fold)
+        after = split_of(more, folds=5, fold=fold)
+        assert all(after[n] == before[n] for n in names)
 
 
 def test_a_test_split_or_another_val_fraction_leaves_the_other_split_as_it_is():

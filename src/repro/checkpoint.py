@@ -400,6 +400,15 @@ ABSENT_MEANS = {
     "data.intensity.range": None,
     "data.intensity.percentiles": [0.5, 99.5],
     "data.intensity.clip": None,
+    # before native-size evaluation: the evaluation pipeline's images, batched
+    "inference.mode": "pipeline",
+    "inference.tile": None,
+    "inference.overlap": 0.5,
+    "inference.sigma": 0.125,
+    "inference.tile_batch": 64,
+    "inference.mirror": False,
+    "task.unions": None,  # segmentation before named unions and class names
+    "data.class_names": None,
 }
 # Values of a relevant key that give the same bits (mapped to one before comparing).
 SAME_BITS = {"dist.reduction": {"ordered_allgather": "ordered"}}  # one tree, other collectives

@@ -120,6 +120,11 @@ def scored_batches(
         for i in range(n):
             images, targets = raw.fetch(torch.tensor([i]))
             x, y = normalize(stack(list(images), "data"), stack_targets(list(targets)))
+            if y.dim() != 3:
+                raise ConfigError(
+                    "config error: inference.mode=native evaluates per-pixel masks at each "
+                    "image's size; this data gives class labels: use inference.mode=pipeline."
+                )
             logits = predict_logits(forward, x[0], window, pad, normalize.memory_format)
             yield logits[None], y
         return
