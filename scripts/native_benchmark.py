@@ -74,6 +74,7 @@ def window_speed(tile_batch: int, sides: list[int], repeats: int) -> list[dict]:
     def forward(x: torch.Tensor) -> torch.Tensor:
         with precision.autocast():
             return model(x)
+
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     window = Window("native", (128, 128), 0.5, 0.125, tile_batch)
     rows = []
@@ -127,7 +128,9 @@ def main() -> None:
 
     env = environment()
     if args.window_only:
-        speed = [row for tb in args.tile_batch for row in window_speed(tb, args.sides, args.repeats)]
+        speed = [
+            row for tb in args.tile_batch for row in window_speed(tb, args.sides, args.repeats)
+        ]
         lines = [
             f"# Sliding-window inference speed ({today()})", "",
             f"- where: {environment_line(env)}", f"- command: `{command_line()}`",
@@ -146,7 +149,9 @@ def main() -> None:
     write_nuclei_folder(folder, count=args.images, seed=0)
     pairs = []
     for r in range(args.repeats):
-        strict = train(work / f"strict-{r}", folder, args.steps, "determinism=strict", *args.overrides)
+        strict = train(
+            work / f"strict-{r}", folder, args.steps, "determinism=strict", *args.overrides
+        )
         fast = train(work / f"fast-{r}", folder, args.steps, "determinism=fast", *args.overrides)
         s, f = strict["steady_images_per_second"], fast["steady_images_per_second"]
         waits = (strict["loader_wait_fraction"], fast["loader_wait_fraction"])

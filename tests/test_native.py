@@ -165,9 +165,9 @@ def test_a_squashed_model_is_scored_against_each_native_mask(nuclei, tmp_path):
 def test_predict_writes_each_mask_at_its_inputs_size_with_probabilities_and_overlay(
     native_run, nuclei, tmp_path
 ):
-    from PIL import Image
-
     import shutil
+
+    from PIL import Image
 
     inputs = tmp_path / "inputs"  # 3 of the folder's images: each of its own size
     inputs.mkdir()
