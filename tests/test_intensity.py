@@ -362,20 +362,17 @@ def test_a_pipeline_must_return_the_dtype_it_got():
         to_bytes(image, mask, 0, 0)
 
 
-def test_8_bit_beside_deeper_images_reach_the_model_as_the_loop_maps_each():
+def test_8_bit_beside_deeper_images_under_auto_is_one_line():
+    """auto scales 8-bit by 255 and 16-bit by 65535: one batch of both would give the same
+    intensity two values (and on CUDA, casting 8-bit on the host would not be the device's
+    division): refused, naming the rule that maps them alike."""
     g = torch.Generator().manual_seed(0)
     u8 = torch.randint(0, 256, (4, 1, 5, 6), dtype=torch.uint8, generator=g)
     deep = torch.rand(4, 1, 5, 6, generator=g)
-    splits = DataSplits(TensorImages(u8, torch.zeros(4)), TensorImages(u8, torch.zeros(4)), 2)
-    splits.mean, splits.std = (0.4,), (0.2,)
-    normalize = DeviceNormalizer(splits, torch.device("cpu"))
-    as_bytes, _ = normalize(u8, torch.zeros(4))
-    mixed = stack_images([u8[0], deep[1], u8[2], deep[3]])
-    assert mixed.dtype == torch.float32
-    as_floats, _ = normalize(mixed, torch.zeros(4))
-    assert torch.equal(as_floats[0::2], as_bytes[0::2])  # the same bits as a uint8 batch
-    assert torch.equal(mixed[1::2], deep[1::2])  # untouched by the normaliser too
+    with pytest.raises(DataError, match="data.intensity.mode=fixed"):
+        stack_images([u8[0], deep[1], u8[2], deep[3]])
     assert torch.equal(stack_images(list(u8)), u8)  # one dtype: as torch.stack gives it
+    assert torch.equal(stack_images(list(deep)), deep)
 
 
 def test_torchvision_v2_recipes_run_on_float32_inputs():

@@ -223,3 +223,27 @@ def test_native_segmentation_on_cuda_repeats_with_any_loader(nuclei, tmp_path):
     assert runs[0].summary["weights_sha256"] == runs[1].summary["weights_sha256"]
     for name in ("eval.csv", "val_per_image.csv"):
         assert (runs[0].dir / name).read_text() == (runs[1].dir / name).read_text()
+
+
+def test_a_folder_lists_one_image_and_one_mask_a_stem(tmp_path):
+    from PIL import Image
+
+    from repro.data.folders import image_mask_pairs
+    from repro.errors import DataError
+
+    write_nuclei_folder(tmp_path / "one", count=1, seed=2, sizes=(40, 50))
+    assert image_mask_pairs(tmp_path / "one", "--folder", least=1)[0] == ["cell_000"]
+    with pytest.raises(DataError, match="need 2 or more"):
+        image_mask_pairs(tmp_path / "one")  # a dataset splits: two at least
+    Image.new("L", (4, 4)).save(tmp_path / "one" / "images" / "cell_000.tif")
+    with pytest.raises(DataError, match="cell_000.png and images/cell_000.tif are two images"):
+        image_mask_pairs(tmp_path / "one", "--folder", least=1)
+
+
+def test_native_inference_on_class_labels_is_one_line():
+    from repro.build import build_data
+    from repro.config import compose
+
+    cfg = compose(["inference.mode=native", "data.train_size=64", "data.val_size=8"])
+    with pytest.raises(ConfigError, match="inference.mode=native .* class labels"):
+        build_data(cfg)

@@ -156,6 +156,11 @@ def test_a_union_of_classes_is_scored_as_one_class():
         Segmentation(num_classes=3, class_names=["a", "b", "c"], unions={"cell": ["b", "x"]})
     with pytest.raises(ConfigError, match="class names"):
         Segmentation(num_classes=3, class_names=["a", "a", "c"])
+    with pytest.raises(ConfigError, match="task.unions=.* a mapping"):
+        Segmentation(num_classes=3, unions=[1, 2])
+    for names in (["a", "b", "pooled"], ["a", "a_pooled", "c"]):  # one metric, two meanings
+        with pytest.raises(ConfigError, match="gives the metric val_dice_.*pooled"):
+            Segmentation(num_classes=3, class_names=names)
 
 
 def test_ignored_pixels_change_neither_loss_nor_metrics():

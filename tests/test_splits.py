@@ -293,3 +293,8 @@ def test_report_pools_folds_and_seeds_and_pairs_by_seed_and_fold(tmp_path):
     assert "| 4_seed=1 | 1 | 1 | ok | 0.6100 |" in text
     assert "- 6_seed=0 (seed 0, fold 0): failed: RuntimeError: boom" in text
     assert "left out: seed 0 fold 0 of the group (failed)" in text
+    assert "folds share their training files" in text
+    # every table has as many cells in its delimiter and body rows as in its header
+    for table in text.split("\n\n"):
+        rows = [r for r in table.splitlines() if r.startswith("|")]
+        assert len({r.count("|") for r in rows}) <= 1, rows[:3]

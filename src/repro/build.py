@@ -128,13 +128,19 @@ def build_augmentation(cfg: DictConfig, data: DataSplits) -> DataSplits:
     }
     images, targets = data.train.fetch(torch.tensor([0]))
     val_images, val_targets = data.val.fetch(torch.tensor([0]))
+    native = str(cfg.get("inference", {}).get("mode", "pipeline")) == "native"
+    if native and not (isinstance(val_targets[0], torch.Tensor) and val_targets[0].dim() == 2):
+        raise ConfigError(
+            "config error: inference.mode=native evaluates and predicts per-pixel masks at "
+            "each image's own size; this data gives class labels: use inference.mode=pipeline."
+        )
     check_pipelines(
         built["train"],
         built["eval"],
         (images[0], targets[0]),
         (val_images[0], val_targets[0]),
         data.image_size,
-        native=str(cfg.get("inference", {}).get("mode", "pipeline")) == "native",
+        native=native,
     )
     return data.with_augmentation(built["train"], built["eval"])
 

@@ -202,13 +202,16 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     folder = Path(args.folder) if args.folder else None
     if folder is not None and not folder.is_dir():
         raise ReproError(f"--folder {folder}: not a directory; give an annotated folder.")
+    if folder is not None and args.split is not None:
+        raise ReproError("give --folder or --split, not both: a folder is evaluated whole.")
     cfg, device = _prepared(args)
     checkpoint = choose_checkpoint(Path(args.run_dir), cfg, args.checkpoint)
     if folder is not None:
         result = evaluate_folder(cfg, checkpoint, device, folder, args.force, per_sample)
     else:
+        split = args.split or "test"
         result = evaluate_checkpoint(
-            cfg, checkpoint, device, args.split, force=args.force, per_sample=per_sample
+            cfg, checkpoint, device, split, force=args.force, per_sample=per_sample
         )
     text = json.dumps(result, indent=2)
     print(text)
@@ -377,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
             "predict says them on stderr",
         )
         if name == "evaluate":
-            p.add_argument("--split", default="test", choices=["test", "val"])
+            p.add_argument("--split", choices=["test", "val"], help="test (the default) or val")
             p.add_argument(
                 "--folder",
                 help="evaluate every file of this annotated folder instead (the run's layout: "

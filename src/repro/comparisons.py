@@ -245,6 +245,8 @@ def verdict(c: dict[str, Any]) -> str:
         if c["paired"]
         else f"unpaired (Welch), {c['n_baseline']} and {c['n_group']} {seeds}"
     )
+    if c.get("by_fold"):
+        how += "; folds share training files, so the interval is too narrow"
     prefix = "across environments: " if c.get("environment_differs") else ""
     if "mean_diff" not in c:
         side = "the baseline" if not c["n_baseline"] else "this group"

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from repro.build import Training
-from repro.data import DeviceNormalizer, Resize, Split
+from repro.data import Augmented, DeviceNormalizer, KeyedPipeline, Resize, Split
 from repro.data.augment import stack, stack_targets
 from repro.errors import ConfigError
 from repro.rng import global_rng_states, set_global_rng_states
@@ -40,7 +40,7 @@ class Evaluation:
     samples: dict[str, torch.Tensor] | None
     names: list[str]
 
-    def write_per_sample(self, path: Path, prefix: str = "val", step: int | None = None) -> None:
+    def write_per_sample(self, path: Path, step: int | None = None) -> None:
         """``<split>_per_image.csv``: a row per sample, ``sample`` (its name) then the
         task's columns (``step`` first when given); atomically replaced."""
         from repro.checkpoint import atomic_write
@@ -107,9 +107,42 @@ def scored_batches(
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(outputs, targets) on the device for the first ``n`` samples of ``split``, in order,
     as the module docstring says they are scored."""
+    augmented = isinstance(split, Augmented)
+    raw = split.split if augmented else split  # the samples as read
+    pipeline = split.pipeline if augmented else None
+    back = training.window.native or _resizes(pipeline)
+    step = 1 if training.window.native else batch_size  # native: one image a call
+    for i in range(0, n, step):
+        index = torch.arange(i, min(i + step, n))
+        if not augmented:
+            yield _forward_batch(training, normalize, *split.fetch(index))
+            continue
+        images, targets = raw.fetch(index)
+        if back and (training.window.native or _masks_off_size(targets, pipeline.size)):
+            for logits, mask in zip(
+                logits_at_own_size(training, normalize, list(images), index, pipeline),
+                targets,
+                strict=True,
+            ):
+                yield logits[None], mask[None].to(logits.device).long()
+            continue
+        yield _forward_batch(training, normalize, *split.apply(images, targets, index))
+
+
+def logits_at_own_size(
+    training: Training,
+    normalize: DeviceNormalizer,
+    images: list[torch.Tensor],
+    index: torch.Tensor,
+    pipeline: KeyedPipeline | None,
+) -> list[torch.Tensor]:
+    """The float32 logits (on the device) of ``images`` (``C×H×W`` each, as read; their
+    sample indices ``index``), each at its own size for segmentation: with
+    ``inference.mode=native`` each image whole or in tiles (:func:`predict_logits`); else
+    all through ``pipeline`` in one batch, and per-pixel logits brought back to each image's
+    grid (:func:`resize_logits`) when the pipeline is a :class:`Resize`. Class scores
+    (classification) come as they are, one vector an image."""
     model, window = training.model, training.window
-    raw = getattr(split, "split", split)  # an Augmented split's samples as read
-    pipeline = getattr(split, "pipeline", None)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         with training.precision.autocast():
@@ -117,38 +150,35 @@ def scored_batches(
 
     if window.native:
         pad = normalize.normalised_zero()
-        for i in range(n):
-            images, targets = raw.fetch(torch.tensor([i]))
-            x, y = normalize(stack(list(images), "data"), stack_targets(list(targets)))
-            if y.dim() != 3:
-                raise ConfigError(
-                    "config error: inference.mode=native evaluates per-pixel masks at each "
-                    "image's size; this data gives class labels: use inference.mode=pipeline."
-                )
-            logits = predict_logits(forward, x[0], window, pad, normalize.memory_format)
-            yield logits[None], y
-        return
-    back = pipeline is not None and type(pipeline.pipeline) is Resize and pipeline.size
-    for i in range(0, n, batch_size):
-        index = torch.arange(i, min(i + batch_size, n))
-        if pipeline is None:
-            yield _forward_batch(forward, normalize, *split.fetch(index))
-            continue
-        images, targets = raw.fetch(index)
-        if back and _masks_off_size(targets, pipeline.size):
-            x, _ = split.apply(images, torch.zeros(len(index), dtype=torch.int64), index)
-            inputs, _ = normalize(x, torch.zeros(len(index), dtype=torch.int64))
-            outputs = forward(inputs).float()
-            for logits, mask in zip(outputs, targets, strict=True):
-                size = tuple(mask.shape[-2:])
-                yield resize_logits(logits, size)[None], mask[None].to(outputs.device).long()
-            continue
-        yield _forward_batch(forward, normalize, *split.apply(images, targets, index))
+        labels = torch.zeros(1, dtype=torch.int64)
+        return [
+            predict_logits(
+                forward, normalize(image[None], labels)[0][0], window, pad, normalize.memory_format
+            )
+            for image in images
+        ]
+    labels = torch.zeros(len(images), dtype=torch.int64)
+    x = images if pipeline is None else pipeline.samples(images, labels, torch.zeros(1), index)[0]
+    outputs = forward(normalize(stack(list(x), "data"), labels)[0]).float()
+    back = _resizes(pipeline)
+    return [
+        resize_logits(out, tuple(image.shape[-2:])) if out.dim() == 3 and back else out
+        for out, image in zip(outputs, images, strict=True)
+    ]
 
 
-def _forward_batch(forward, normalize, images, targets):  # noqa: ANN001, ANN202
+def _resizes(pipeline: KeyedPipeline | None) -> bool:
+    """Is the evaluation pipeline a plain resize (whose output's grid maps back onto each
+    image's)?"""
+    return pipeline is not None and type(pipeline.pipeline) is Resize and bool(pipeline.size)
+
+
+def _forward_batch(
+    training: Training, normalize: DeviceNormalizer, images: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     inputs, targets = normalize(images, targets)
-    return forward(inputs), targets
+    with training.precision.autocast():
+        return training.model(inputs), targets
 
 
 def _masks_off_size(targets: object, size: int) -> bool:
@@ -173,10 +203,16 @@ def csv_field(name: str) -> str:
 
 
 def _takes_samples(task: Task) -> bool:
+    """Does the task's ``metrics`` take the per-sample rows (a second positional parameter)?
+    One written for ``metrics(totals)`` alone is called so."""
     try:
-        return len(inspect.signature(task.metrics).parameters) >= 2
+        params = list(inspect.signature(task.metrics).parameters.values())
     except (TypeError, ValueError):
         return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(p.kind in positional for p in params) >= 2 or any(
+        p.kind is inspect.Parameter.VAR_POSITIONAL for p in params
+    )
 
 
 def check_task(training: Training, split: Split, normalize: DeviceNormalizer) -> list[str]:
@@ -191,7 +227,9 @@ def check_task(training: Training, split: Split, normalize: DeviceNormalizer) ->
     except RuntimeError as err:  # strict mode and an op with no deterministic kernel?
         from repro.doctor import explain_nondeterministic_op
 
-        sample = split.fetch(torch.arange(min(2, len(split))))
+        raw = split.split if isinstance(split, Augmented) and training.window.native else split
+        images, targets = raw.fetch(torch.arange(min(1 if raw is not split else 2, len(raw))))
+        sample = stack(list(images), "data"), stack_targets(list(targets))
         explain_nondeterministic_op(err, training, *normalize(*sample))
         raise
     finally:

@@ -27,11 +27,10 @@ from repro.checkpoint import (
     read_checkpoint,
 )
 from repro.config import flatten
-from repro.data import Augmented, DataSplits, DeviceNormalizer, Resize
+from repro.data import Augmented, DataSplits, DeviceNormalizer, Split
 from repro.errors import CheckpointError, ConfigError
-from repro.evaluation import csv_field, evaluate_split
+from repro.evaluation import csv_field, evaluate_split, logits_at_own_size
 from repro.files import BEST_FILE
-from repro.sliding_window import predict_logits, resize_logits
 
 log = logging.getLogger("repro")
 SPLITS = ("test", "val")
@@ -72,24 +71,7 @@ def evaluate_checkpoint(
             "the synthetic sets, data.test_fraction for the image folders), or evaluate the "
             "validation split: --split val."
         )
-    loaded = read_checkpoint(checkpoint, map_location=device)  # verified
-    state = loaded.state
-    # another machine or version than the checkpoint's: the bits may differ from
-    # trainer.test's (the metrics are still this machine's, deterministic)
-    training, differences = restored(cfg, checkpoint, state, device, data, force)
-    normalize = DeviceNormalizer(data, device, training.channels_last)
-    result = evaluate_split(training, held_out, normalize, int(cfg.trainer.eval_batch_size))
-    if per_sample is not None:
-        result.write_per_sample(per_sample)
-    return {
-        "split": split,
-        "checkpoint": checkpoint.name,
-        "step": int(state["step"]),
-        "checkpoint_sha256": loaded.sha256,
-        "samples": len(result.names),
-        "metrics": {k.replace("val_", f"{split}_", 1): v for k, v in result.metrics.items()},
-        **differences,
-    }
+    return _evaluated(cfg, checkpoint, device, data, held_out, split, force, per_sample)
 
 
 def evaluate_folder(
@@ -109,21 +91,39 @@ def evaluate_folder(
     not fit the run is refused in one line naming the file."""
     data = build_data(cfg)  # the run's normalisation statistics and evaluation pipeline
     split = Augmented(external_split(cfg, data, folder), data.eval_pipeline)
+    result = _evaluated(cfg, checkpoint, device, data, split, "external", force, per_sample)
+    return {"folder": str(folder), **result}
+
+
+def _evaluated(
+    cfg: DictConfig,
+    checkpoint: Path,
+    device: torch.device,
+    data: DataSplits,
+    split: Split,
+    name: str,
+    force: bool,
+    per_sample: Path | None,
+) -> dict[str, Any]:
+    """``checkpoint`` restored into the run's model, evaluated on ``split`` (metrics named
+    ``<name>_*``), each sample's row into ``per_sample``: the result :func:`evaluate_checkpoint`
+    and :func:`evaluate_folder` give."""
     loaded = read_checkpoint(checkpoint, map_location=device)  # verified
     state = loaded.state
+    # another machine or version than the checkpoint's: the bits may differ from
+    # trainer.test's (the metrics are still this machine's, deterministic)
     training, differences = restored(cfg, checkpoint, state, device, data, force)
     normalize = DeviceNormalizer(data, device, training.channels_last)
     result = evaluate_split(training, split, normalize, int(cfg.trainer.eval_batch_size))
     if per_sample is not None:
         result.write_per_sample(per_sample)
     return {
-        "split": "external",
-        "folder": str(folder),
+        "split": name,
         "checkpoint": checkpoint.name,
         "step": int(state["step"]),
         "checkpoint_sha256": loaded.sha256,
         "samples": len(result.names),
-        "metrics": {k.replace("val_", "external_", 1): v for k, v in result.metrics.items()},
+        "metrics": {k.replace("val_", f"{name}_", 1): v for k, v in result.metrics.items()},
         **differences,
     }
 
@@ -138,7 +138,7 @@ def external_split(cfg: DictConfig, data: DataSplits, folder: Path) -> Any:
     target = str(node["_target_"])
     rule = Intensity(node.get("intensity"))
     if target == "repro.data.image_mask_folder":
-        stems, images, masks = image_mask_pairs(folder, "--folder")
+        stems, images, masks = image_mask_pairs(folder, "--folder", least=1)
         mask_map = node.get("mask_map")
         return LazyImageMasks(
             [images[s] for s in stems],
@@ -149,22 +149,25 @@ def external_split(cfg: DictConfig, data: DataSplits, folder: Path) -> Any:
             rule,
         )
     if target == "repro.data.image_folder":
+        known = list(data.class_names or ())
         classes = sorted(d.name for d in folder.iterdir() if d.is_dir() and not d.name[0] == ".")
-        if tuple(classes) != tuple(data.class_names or ()):
+        unknown = [c for c in classes if c not in known]
+        if unknown or not classes:
             raise ConfigError(
                 f"--folder {folder}: class folders {classes}, but the run's classes are "
-                f"{list(data.class_names or [])}; give a folder with the run's classes."
+                f"{known}; give a folder whose sub-folders are some of the run's classes."
             )
         files = [
-            (f, label)
-            for label, name in enumerate(classes)
+            (f, known.index(name))
+            for name in classes
             for f in sorted((folder / name).rglob("*"))
             if f.suffix.lower() in IMAGE_SUFFIXES
         ]
         if not files:
             raise ConfigError(f"--folder {folder}: no image files in its class folders.")
         labels = torch.tensor([label for _, label in files])
-        return LazyImages([f for f, _ in files], labels, "stop", int(node.get("channels", 3)), rule)
+        channels = int(node.get("channels", 3))
+        return LazyImages([f for f, _ in files], labels, "stop", channels, rule, folder)
     raise ConfigError(
         f"--folder evaluates runs on image_folder or image_mask_folder data; this run's data is "
         f"{target}: use --split test or val."
@@ -262,57 +265,30 @@ def predict(
         log.warning(f"predict --force: {difference} (the bytes may differ from the run's)")
     normalize = DeviceNormalizer(data, device, training.channels_last)
     names = [str(p.relative_to(inputs)) for p in files]
+    writer = MaskWriter(out, names, probabilities, overlay)
+    batch = int(cfg.trainer.eval_batch_size)
+    scores: list[torch.Tensor] = []
     model = training.model
     model.eval()
     with torch.no_grad(), training.evaluated_weights():
-        logits = _predicted_logits(cfg, data, training, normalize, files)
-        if logits and logits[0].dim() == 1:  # class scores
-            scores = torch.stack(logits).softmax(dim=1)
-            _write_probabilities(out, names, scores, data.class_names)
-            return len(files)
-        _write_masks(out, names, logits, files if overlay else None, cfg, data, probabilities)
-    return len(files)
-
-
-def _predicted_logits(
-    cfg: DictConfig,
-    data: DataSplits,
-    training: Training,
-    normalize: DeviceNormalizer,
-    files: list[Path],
-) -> list[torch.Tensor]:
-    """Each file's float32 logits on the CPU: classes (classification) or classes × H × W at
-    the file's own size where :func:`predict` says so."""
-    window, model = training.window, training.model
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        with training.precision.autocast():
-            return model(x)
-
-    results: list[torch.Tensor] = []
-    if window.native:
-        pad = normalize.normalised_zero()
-        for path in files:
-            image = read_input(cfg, data, path)
-            x, _ = normalize(image[None], torch.zeros(1, dtype=torch.int64))
-            results.append(
-                predict_logits(forward, x[0], window, pad, normalize.memory_format).cpu()
+        for i in range(0, len(files), batch):
+            part = files[i : i + batch]
+            images = [read_input(cfg, data, p) for p in part]
+            index = torch.arange(i, i + len(part))
+            logits = logits_at_own_size(training, normalize, images, index, data.eval_pipeline)
+            for j, output in enumerate(logits):
+                if output.dim() == 1:  # class scores: written together at the end
+                    scores.append(output.cpu())
+                else:  # per-pixel: this image's files now, nothing held
+                    writer.write(i + j, images[j], output.cpu())
+    if scores:
+        if probabilities or overlay:
+            raise ConfigError(
+                "--probabilities and --overlay are for segmentation; a classifier's "
+                "probabilities are the CSV's p0, p1... columns."
             )
-        return results
-    pipeline = data.eval_pipeline
-    back = type(pipeline.pipeline) is Resize
-    batch = int(cfg.trainer.eval_batch_size)
-    for i in range(0, len(files), batch):
-        images = [read_input(cfg, data, p) for p in files[i : i + batch]]
-        index = torch.arange(i, i + len(images))
-        resized, _ = pipeline.samples(images, [0] * len(images), torch.zeros(1), index)
-        x, _ = normalize(resized, torch.zeros(len(images), dtype=torch.int64))
-        outputs = forward(x).float()
-        for image, output in zip(images, outputs, strict=True):
-            if output.dim() == 3 and back:  # a mask on its input's grid
-                output = resize_logits(output, tuple(image.shape[-2:]))
-            results.append(output.cpu())
-    return results
+        _write_probabilities(out, names, torch.stack(scores).softmax(dim=1), data.class_names)
+    return len(files)
 
 
 def read_input(cfg: DictConfig, data: DataSplits, path: Path) -> torch.Tensor:
@@ -344,46 +320,44 @@ def _write_probabilities(
     atomic_write(out, lambda f: f.write(text.encode()))
 
 
-def _write_masks(
-    out: Path,
-    names: list[str],
-    logits: list[torch.Tensor],
-    overlay_of: list[Path] | None,
-    cfg: DictConfig,
-    data: DataSplits,
-    probabilities: bool,
-) -> None:
-    """``<name>.png`` (class indices), and ``<name>.npy`` (softmax) / ``<name>.overlay.png``
-    when asked, each written atomically."""
-    import io
+class MaskWriter:
+    """Segmentation's ``repro predict`` output, an image at a time: ``<name>.png`` (class
+    indices at the input's size), and ``<name>.npy`` (softmax, float32) /
+    ``<name>.overlay.png`` when asked; each written atomically."""
 
-    import numpy as np
+    def __init__(self, out: Path, names: list[str], probabilities: bool, overlay: bool) -> None:
+        self.targets = [Path(name).with_suffix(".png") for name in names]
+        if len(set(self.targets)) != len(self.targets):
+            clash = next(t for t in self.targets if self.targets.count(t) > 1)
+            raise ConfigError(f"two inputs would both give the mask {clash}; rename one of them.")
+        self.out, self.probabilities, self.overlay = out, probabilities, overlay
 
-    from repro.checkpoint import atomic_write
-    from repro.data.folders import _pillow
+    def write(self, i: int, image: torch.Tensor, logits: torch.Tensor) -> None:
+        """Input ``i`` (``image``, as read) and its float32 logits C×H×W."""
+        import io
 
-    Image = _pillow()
-    targets = [Path(name).with_suffix(".png") for name in names]
-    if len(set(targets)) != len(targets):
-        clash = next(t for t in targets if targets.count(t) > 1)
-        raise ConfigError(f"two inputs would both give the mask {clash}; rename one of them.")
-    if int(logits[0].shape[0]) > 256:
-        raise ConfigError("segmentation masks are 8-bit PNGs: at most 256 classes.")
-    for i, (target, scores) in enumerate(zip(targets, logits, strict=True)):
-        mask = scores.argmax(dim=0).to(torch.uint8)
-        image = Image.fromarray(mask.numpy(), mode="L")
-        atomic_write(out / target, lambda f, image=image: image.save(f, format="PNG"))
-        if probabilities:
+        import numpy as np
+
+        from repro.checkpoint import atomic_write
+        from repro.data.folders import _pillow
+
+        Image = _pillow()
+        if int(logits.shape[0]) > 256:
+            raise ConfigError("segmentation masks are 8-bit PNGs: at most 256 classes.")
+        target = self.targets[i]
+        mask = logits.argmax(dim=0).to(torch.uint8)
+        picture = Image.fromarray(mask.numpy(), mode="L")
+        atomic_write(self.out / target, lambda f: picture.save(f, format="PNG"))
+        if self.probabilities:
             buffer = io.BytesIO()
-            np.save(buffer, scores.softmax(dim=0).numpy().astype(np.float32), allow_pickle=False)
+            np.save(buffer, logits.softmax(dim=0).numpy().astype(np.float32), allow_pickle=False)
             atomic_write(
-                out / target.with_suffix(".npy"), lambda f, b=buffer: f.write(b.getvalue())
+                self.out / target.with_suffix(".npy"), lambda f: f.write(buffer.getvalue())
             )
-        if overlay_of is not None:
-            shown = overlay_image(read_input(cfg, data, overlay_of[i]), mask)
-            picture = Image.fromarray(shown.permute(1, 2, 0).numpy(), mode="RGB")
-            path = out / target.with_suffix(".overlay.png")
-            atomic_write(path, lambda f, p=picture: p.save(f, format="PNG"))
+        if self.overlay:
+            shown = Image.fromarray(overlay_image(image, mask).permute(1, 2, 0).numpy(), mode="RGB")
+            path = self.out / target.with_suffix(".overlay.png")
+            atomic_write(path, lambda f: shown.save(f, format="PNG"))
 
 
 # class colours of the overlays (class 0, the background, is not tinted)

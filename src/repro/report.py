@@ -113,7 +113,7 @@ def _what(overrides: list[str]) -> tuple[str, ...]:
     return tuple(o for o in overrides if override_key(o) not in RUN_CONTROL)
 
 
-def _seed_of(overrides: list[str], default: Any, key: str = "seed") -> Any:
+def _override_value(overrides: list[str], default: Any, key: str = "seed") -> Any:
     """The value the override ``key`` (the seed, or ``data.fold``) gives, else ``default``."""
     for o in overrides:
         if override_key(o) == key:
@@ -211,8 +211,8 @@ def find_jobs(sweep_dir: Path, source: int = 0) -> list[Job]:
     default_fold = next((j.fold for j in jobs if j.fold is not None), None)
     for num, overrides in enumerate(planned_jobs(sweep_dir) or []):
         if _what(overrides) not in started:  # the sweep was stopped before this job
-            seed = _seed_of(overrides, default_seed)
-            fold = _seed_of(overrides, default_fold, "data.fold")
+            seed = _override_value(overrides, default_seed)
+            fold = _override_value(overrides, default_fold, "data.fold")
             jobs.append(
                 Job(
                     sweep_dir / str(num),
@@ -249,7 +249,7 @@ def outliers(jobs: list[Job], metric: str, stats: dict[str, Any]) -> list[dict[s
             found.append(
                 {
                     "seed": j.seed,
-                    "fold": getattr(j, "fold", None),
+                    "fold": j.fold,
                     "job": j.dir.name,
                     "value": j.summary[metric],
                     "z": z,
@@ -387,7 +387,7 @@ def format_markdown(report: dict[str, Any], figures: dict[int, str]) -> str:
             f"| job | seed |{' fold |' if folds else ''} status | "
             + " | ".join(names)
             + " | steps | weights |",
-            "|---|---|---|" + "---|" * (len(names) + folds) + "---|",
+            "|---|---|---|" + "---|" * (len(names) + folds) + "---|---|",
         ]
         for j in g["jobs"]:
             status = j["status"] if j["status"] == "ok" else f"**{j['status']}**"
@@ -399,6 +399,13 @@ def format_markdown(report: dict[str, Any], figures: dict[int, str]) -> str:
                 f"{weights} |"
             )
         lines.append("")
+        if folds:
+            lines += [
+                "Note: folds share their training files, so jobs of one seed are not "
+                "independent: the intervals below, which treat them so, are too narrow "
+                "(a corrected resampled t-test, Nadeau and Bengio 2003, would widen them).",
+                "",
+            ]
         for m, s in g["metrics"].items():
             if s["n"] == 0:
                 lines.append(f"- **{m}**: no finished job.")

@@ -20,7 +20,9 @@ one it runs. It owns four things:
     one row per sample: a dict of 1-D tensors (integer counts), concatenated over the
     evaluation in sample order and written to ``<split>_per_image.csv`` beside the sample's
     name; ``metrics(totals, samples)`` then receives them too (the per-image mean Dice is
-    computed from them). Exact integers, so the same at any eval batch size and world size.
+    computed from them). Exact integers, so how the batches are cut and summed, and the world
+    size, cannot change them (the outputs themselves may differ in their last bits with
+    the batch a network runs in: see ``inference.mode=native``, one image a forward).
 
 ``outputs`` is what the model returns for a batch; ``targets`` is what the dataset gives
 beside the inputs: class labels ``N``, or per-pixel class masks ``N×H×W``, which the keyed
@@ -158,8 +160,9 @@ class Segmentation(Task):
     ``class_names`` (the data's, ``data.class_names``; else their index); ``unions`` names
     groups of classes scored as one (``{cell: [nucleus, boundary]}``: a pixel is ``cell`` in
     the reference or the prediction when its class is one of them), each with the same
-    metrics. Every value comes from exact integers summed in a fixed order (``math.fsum``),
-    so they do not depend on the eval batch size or the world size."""
+    metrics. Every value comes from exact integers (per-image ratios summed by
+    ``math.fsum``), so neither how the evaluation is batched nor the world size can change
+    them for given outputs."""
 
     headline = "val_dice"
     higher_is_better = True
@@ -199,6 +202,7 @@ class Segmentation(Task):
         self.include_background, self.cross_entropy = include_background, cross_entropy
         self.names = metric_names(class_names, num_classes)
         self.unions = _unions(unions or {}, self.names)
+        _check_metric_names([*self.names, *self.unions])
 
     def scored(self, targets: torch.Tensor) -> torch.Tensor:
         """The pixels that count: a class, and not ``ignore_index``."""
@@ -326,6 +330,11 @@ def metric_names(class_names: list[str] | tuple[str, ...] | None, num_classes: i
 
 def _unions(unions: dict[str, list[str | int]], names: list[str]) -> dict[str, list[int]]:
     """``task.unions`` as class indices, each member a class name or index."""
+    if not isinstance(unions, dict):
+        raise ConfigError(
+            f"task.unions={unions!r} is invalid; allowed: a mapping of names to classes, "
+            "e.g. task.unions='{cell: [nucleus, boundary]}', or null."
+        )
     out: dict[str, list[int]] = {}
     for union, members in unions.items():
         key = re.sub(r"\W", "_", str(union))
@@ -347,6 +356,21 @@ def _unions(unions: dict[str, list[str | int]], names: list[str]) -> dict[str, l
             )
         out[key] = sorted(set(indices))
     return out
+
+
+def _check_metric_names(names: list[str]) -> None:
+    """No two classes or unions give one metric name (a class ``pooled`` would be
+    ``val_dice_pooled``; classes ``a`` and ``a_pooled`` would share ``val_dice_a_pooled``)."""
+    taken: dict[str, str] = {f"val_dice_{k}": "" for k in ("pooled",)}
+    for name in names:
+        for key in (f"val_dice_{name}", f"val_dice_{name}_pooled"):
+            if key in taken:
+                raise ConfigError(
+                    f"class or union name {name!r} gives the metric {key}, which "
+                    f"{('class ' + repr(taken[key])) if taken[key] else 'the pooled mean'} "
+                    "gives too; rename it (data.class_names, task.unions)."
+                )
+            taken[key] = name
 
 
 def _per_image(samples: dict[str, torch.Tensor], name: str) -> tuple[float, float, int]:

@@ -348,11 +348,11 @@ class SegmentationAugment:
 
 
 class RandomPatch:
-    """Training at each image's own scale (``augment=patches``): a ``size`` patch ((h, w), or
-    one side for a square) cut from the image where a keyed draw puts it, nothing resized;
+    """Training at each image's own scale (``augment=patches``): a ``size`` × ``size`` patch
+    cut from the image where a keyed draw puts it, nothing resized;
     where the image is smaller than the patch it sits at a drawn place inside it, padded
     with 0 (its mask with :data:`IGNORE`: not scored). Then flipped left-right and up-down,
-    each with probability ``flip``, and a square patch turned by a drawn multiple of 90°
+    each with probability ``flip``, and turned by a drawn multiple of 90°
     (``rotate``); the image alone scaled by brightness and contrast factors in ``1 ±
     brightness`` and ``1 ± contrast``. The geometry is pure data movement, so the mask keeps
     its image's very grid. Draws from the keyed ``generator`` only. Evaluation then runs at
@@ -362,19 +362,18 @@ class RandomPatch:
 
     def __init__(
         self,
-        size: int | Sequence[int],
+        size: int,
         flip: float = 0.5,
         rotate: bool = True,
         brightness: float = 0.0,
         contrast: float = 0.0,
     ) -> None:
-        sides = [size, size] if isinstance(size, int) else list(size)
-        if len(sides) != 2 or not all(isinstance(v, int) and v >= 1 for v in sides):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ConfigError(
                 f"config error: augment RandomPatch(size={size!r}) is invalid; allowed: an "
-                "integer >= 1 or [height, width]."
+                "integer >= 1 (the patch's side: data.image_size)."
             )
-        self.size = (int(sides[0]), int(sides[1]))
+        self.size = size
         self.flip, self.rotate = float(flip), bool(rotate)
         self.brightness, self.contrast = float(brightness), float(contrast)
 
@@ -382,7 +381,7 @@ class RandomPatch:
         self, image: torch.Tensor, target: Any, *, generator: torch.Generator
     ) -> tuple[torch.Tensor, Any]:
         u = torch.rand(7, generator=generator, dtype=torch.float64).tolist()
-        (ph, pw), (c, h, w) = self.size, image.shape
+        (ph, pw), (c, h, w) = (self.size, self.size), image.shape
         ys, yd, hh = _placement(h, ph, u[0])
         xs, xd, ww = _placement(w, pw, u[1])
         patch = image.new_zeros((c, ph, pw))
@@ -392,7 +391,7 @@ class RandomPatch:
             mask = target.new_full((ph, pw), IGNORE)
             mask[yd : yd + hh, xd : xd + ww] = target[ys : ys + hh, xs : xs + ww]
         dims = [d for d, draw in ((-1, u[2]), (-2, u[3])) if draw < self.flip]
-        turns = int(u[4] * 4) if self.rotate and ph == pw else 0
+        turns = int(u[4] * 4) if self.rotate else 0
         patch = torch.rot90(patch.flip(dims), turns, (-2, -1)) if dims or turns else patch
         if is_mask:
             target = torch.rot90(mask.flip(dims), turns, (-2, -1)) if dims or turns else mask
@@ -705,11 +704,30 @@ def check_pipelines(
         ("eval", evaluation, evaluation(*val_sample, 0, 0)),
     ):
         if size and tuple(image.shape[1:]) != (size, size) and not (native and which == "eval"):
+            native_hint = (
+                "; or evaluate each image at its own size: inference.mode=native"
+                if which == "eval"
+                else ""
+            )
             raise ConfigError(
                 f"augment.{which}: {pipeline.name} gives {tuple(image.shape[1:])} images where "
                 f"data.image_size={size} asks for ({size}, {size}); end it with a resize or "
-                "crop to data.image_size."
+                f"crop to data.image_size{native_hint}."
             )
+    if (
+        native
+        and isinstance(train.pipeline, RESIZING)
+        and val_sample[0].shape[1:] != a[0].shape[1:]
+    ):
+        log.warning(
+            f"augment.train: {train.name} brings every image to data.image_size, but "
+            "inference.mode=native evaluates each at its own size: the model trains at another "
+            "scale than it is scored at; augment=patches trains on patches at native scale."
+        )
+
+
+# the shipped transforms that rescale whole images to data.image_size
+RESIZING = (Resize, RandomResizedCrop, CenterResize, SegmentationAugment)
 
 
 def _same(x: tuple[torch.Tensor, Any], y: tuple[torch.Tensor, Any]) -> bool:

@@ -113,7 +113,7 @@ def image_folder(
 
     def split(index: torch.Tensor) -> Split:
         lazy = LazyImages(
-            [files[i][0] for i in index], labels[index], on_bad_image, channels, mapping
+            [files[i][0] for i in index], labels[index], on_bad_image, channels, mapping, root
         )
         return lazy.read_all() if in_memory else lazy
 
@@ -157,8 +157,10 @@ class LazyImages:
         on_bad_image: str,
         channels: int = 3,
         intensity: Intensity | None = None,
+        root: Path | None = None,
     ) -> None:
         self.files, self.labels, self.on_bad_image = files, labels, on_bad_image
+        self.root = root  # what names are relative to
         self.channels = channels
         self.intensity = intensity or Intensity()
         self.clipped: dict[int, tuple[int, int]] = {}
@@ -169,7 +171,10 @@ class LazyImages:
 
     @property
     def names(self) -> list[str]:
-        """Each sample's name in per-sample records: ``<class folder>/<file>``."""
+        """Each sample's name in per-sample records: its path under the folder's root
+        (``cat/1.png``, as the split is keyed by), else ``<class folder>/<file>``."""
+        if self.root is not None:
+            return [f.relative_to(self.root).as_posix() for f in self.files]
         return [f"{f.parent.name}/{f.name}" for f in self.files]
 
     def fetch(self, index: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -636,12 +641,13 @@ def image_mask_folder(
 
 
 def image_mask_pairs(
-    path: str | Path, key: str = "data.path"
+    path: str | Path, key: str = "data.path", least: int = 2
 ) -> tuple[list[str], dict[str, Path], dict[str, Path]]:
-    """The sorted stems of ``path/images/`` and each stem's image and mask file (one mask a
-    stem, ``masks/<stem>`` + one of :data:`MASK_SUFFIXES`); a folder without both
-    sub-folders, an image without a mask, two masks of one stem or fewer than 2 images is
-    one line naming ``key`` (the config key or option that gave ``path``)."""
+    """The sorted stems of ``path/images/`` and each stem's image and mask file (one image
+    and one mask a stem, ``masks/<stem>`` + one of :data:`MASK_SUFFIXES`); a folder without
+    both sub-folders, an image without a mask, two images or two masks of one stem or fewer
+    than ``least`` images is one line naming ``key`` (the config key or option that gave
+    ``path``)."""
     root = Path(path).expanduser()
     image_dir, mask_dir = root / "images", root / "masks"
     if not image_dir.is_dir() or not mask_dir.is_dir():
@@ -649,11 +655,16 @@ def image_mask_pairs(
             f"{key}={str(path)!r} needs the sub-folders images/ and masks/ (one mask per "
             "image, same file stem); point it at their parent."
         )
-    images = {
-        f.stem: f
-        for f in sorted(image_dir.iterdir())
-        if f.suffix.lower() in IMAGE_SUFFIXES and not f.name.startswith(".")
-    }
+    images: dict[str, Path] = {}
+    for f in sorted(image_dir.iterdir()):
+        if f.suffix.lower() not in IMAGE_SUFFIXES or f.name.startswith("."):
+            continue
+        if f.stem in images:
+            raise DataError(
+                f"{key}={str(path)!r}: images/{images[f.stem].name} and images/{f.name} are two "
+                "images of one stem (one mask each cannot tell them apart); keep one of them."
+            )
+        images[f.stem] = f
     masks: dict[str, Path] = {}
     for f in sorted(mask_dir.iterdir()):
         if f.suffix.lower() not in MASK_SUFFIXES or f.name.startswith("."):
@@ -672,8 +683,8 @@ def image_mask_pairs(
             "or .npy); add the masks or move those images out."
         )
     stems = sorted(images)
-    if len(stems) < 2:
+    if len(stems) < least:
         raise DataError(
-            f"{key}={str(path)!r}: images/ holds {len(stems)} image(s); need 2 or more."
+            f"{key}={str(path)!r}: images/ holds {len(stems)} image(s); need {least} or more."
         )
     return stems, images, masks

@@ -262,11 +262,15 @@ def statistics_sample(split: Split, pipeline: Any = None) -> torch.Tensor | list
 
 
 def stack_images(images: list[torch.Tensor]) -> torch.Tensor:
-    """C×H×W images of one size stacked into N×C×H×W. Of one dtype, as they are; uint8
-    beside float32 (8-bit files beside deeper ones under ``data.intensity`` auto), all
-    float32 with the uint8 ones divided by 255 -- what the loop does to a uint8 batch on the
-    device, in the same float32 division -- instead of ``torch.stack`` casting them as they
-    are (0..255 beside [0, 1])."""
+    """C×H×W images of one size and dtype stacked into N×C×H×W. uint8 beside float32 (8-bit
+    files beside deeper ones under ``data.intensity`` auto) is refused in one line: auto
+    gives each depth its own scale (8-bit /255, 16-bit /65535), so the same intensity would
+    reach the model as two values; one rule for every file (``fixed``, ``percentile``) maps
+    them alike."""
     if len({i.dtype for i in images}) > 1:
-        images = [i.float().div_(255) if i.dtype == torch.uint8 else i for i in images]
+        raise DataError(
+            "data: 8-bit images beside deeper ones (16-bit, float) under data.intensity.mode="
+            "auto, which scales each depth by its own maximum; set data.intensity.mode=fixed "
+            "with data.intensity.range=[low,high] (one scale for every file) or percentile."
+        )
     return torch.stack(images)
