@@ -26,11 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "scripts"))
+from _results import command_line, environment_line, run_checked, today, write_results
 
-from _results import command_line, environment_line, run_checked, today, write_results  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def train(run_dir: Path, folder: Path, steps: int, *overrides: str) -> dict:

@@ -10,12 +10,9 @@ image -- the layout ``data=image_mask_folder`` reads (images/ and masks/), for t
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from repro.data.synthetic import write_nuclei_folder  # noqa: E402
+from repro.data.synthetic import write_nuclei_folder
 
 
 def main() -> None:

@@ -14,7 +14,9 @@ import torch
 
 from conftest import Run, cuda, repro, train_here
 from repro.data.synthetic import write_nuclei_folder
-from repro.errors import ConfigError
+from repro.config import compose
+from repro.errors import ConfigError, DataError
+from repro.inference import choose_checkpoint, evaluate_folder, predict
 from repro.sliding_window import Window, gaussian_weights, predict_logits, tile_starts
 
 
@@ -63,8 +65,6 @@ def test_tiles_of_one_image_run_in_batches_of_tile_batch_in_a_fixed_order():
 
 
 def test_bad_inference_settings_are_one_line(tmp_path):
-    from repro.config import compose
-
     for override, key in [
         ("inference.overlap=1.0", "inference.overlap"),
         ("inference.tile_batch=0", "inference.tile_batch"),
@@ -111,6 +111,7 @@ def native_run(nuclei, tmp_path_factory) -> Run:
     run = train_here(tmp_path_factory.mktemp("native") / "run", *overrides)
     (run.dir / ".hydra").mkdir()
     (run.dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    run.overrides = overrides
     return run
 
 
@@ -184,8 +185,10 @@ def test_predict_writes_each_mask_at_its_inputs_size_with_probabilities_and_over
         assert probs.shape == (3, size[1], size[0]) and probs.dtype == np.float32
         np.testing.assert_allclose(probs.sum(0), 1, rtol=1e-5)
         assert Image.open(out / f"{image.stem}.overlay.png").size == size
-    again = tmp_path / "again"
-    assert repro("predict", native_run.dir, inputs, "--out", again).returncode == 0
+    again = tmp_path / "again"  # again, in this process: the same bytes
+    cfg = compose(native_run.overrides)
+    predict(cfg, choose_checkpoint(native_run.dir, cfg), torch.device("cpu"), inputs, again)
+    assert sorted(p.name for p in again.iterdir()) == sorted(p.name for p in inputs.iterdir())
     for mask in again.iterdir():
         assert mask.read_bytes() == (out / mask.name).read_bytes()
 
@@ -203,8 +206,9 @@ def test_an_external_annotated_folder_is_evaluated_whole(native_run, tmp_path):
     wrong = tmp_path / "wrong"
     write_nuclei_folder(wrong, count=2, seed=1)
     (wrong / "masks" / "cell_000.png").unlink()
-    done = repro("evaluate", native_run.dir, "--folder", wrong)
-    assert done.returncode == 2 and "cell_000" in done.stderr
+    cfg = compose(native_run.overrides)
+    with pytest.raises(DataError, match="--folder=.* have no mask, e.g. images/cell_000.png"):
+        evaluate_folder(cfg, choose_checkpoint(native_run.dir, cfg), torch.device("cpu"), wrong)
 
 
 @cuda
@@ -242,7 +246,6 @@ def test_a_folder_lists_one_image_and_one_mask_a_stem(tmp_path):
 
 def test_native_inference_on_class_labels_is_one_line():
     from repro.build import build_data
-    from repro.config import compose
 
     cfg = compose(["inference.mode=native", "data.train_size=64", "data.val_size=8"])
     with pytest.raises(ConfigError, match="inference.mode=native .* class labels"):

@@ -249,7 +249,7 @@ def outliers(jobs: list[Job], metric: str, stats: dict[str, Any]) -> list[dict[s
             found.append(
                 {
                     "seed": j.seed,
-                    "fold": j.fold,
+                    "fold": getattr(j, "fold", None),  # a Job, or a stand-in of a test
                     "job": j.dir.name,
                     "value": j.summary[metric],
                     "z": z,
