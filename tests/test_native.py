@@ -64,6 +64,15 @@ def test_tiles_of_one_image_run_in_batches_of_tile_batch_in_a_fixed_order():
     assert seen == [4, 4, 1]  # 3 × 3 tiles in rows, 4 a forward
 
 
+def test_the_tile_is_a_side_or_height_and_width_or_the_training_patch():
+    def window(*overrides: str) -> Window:
+        return Window.from_config(compose(["inference.mode=native", *overrides]).inference, 32)
+
+    assert window("inference.tile=[96,64]").tile == (96, 64)
+    assert window("inference.tile=80").tile == (80, 80)
+    assert window().tile == (32, 32)  # data.image_size, the training patch's side
+
+
 def test_bad_inference_settings_are_one_line(tmp_path):
     for override, key in [
         ("inference.overlap=1.0", "inference.overlap"),

@@ -59,7 +59,8 @@ class Window:
         if tile is None and image_size:
             tile = (image_size, image_size)
         if tile is not None:
-            tile = tuple(int(t) for t in (tile if isinstance(tile, list | tuple) else [tile] * 2))
+            sides = [tile] if isinstance(tile, int) else list(tile)  # a list or ListConfig
+            tile = tuple(int(t) for t in (sides * 2 if len(sides) == 1 else sides))
         window = cls(
             str(node.get("mode", "pipeline")),
             tile,
