@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conftest import Run, cuda, repro, train_here
-from repro.data.synthetic import write_nuclei_folder
 from repro.config import compose
+from repro.data.synthetic import write_nuclei_folder
 from repro.errors import ConfigError, DataError
 from repro.inference import choose_checkpoint, evaluate_folder, predict
 from repro.sliding_window import Window, gaussian_weights, predict_logits, tile_starts
