@@ -141,14 +141,27 @@ MUTATIONS = [
     ),
     Mutation(
         "private-rng-unseen",
-        "the check before step 1 calling the pipeline once under a key (a private generator "
-        "goes unseen)",
-        "src/repro/data/augment.py",
-        "    if any(not _same(a, train(*sample, 0, 0)) for _ in range(REPEATS - 1)):",
-        "    if False:",
+        "the check before step 1 comparing nothing across builds, orders and clock times (a "
+        "private generator behind a keyed coin, a call counter, the clock go unseen)",
+        "src/repro/data/pipeline_check.py",
+        "    if any(not _same(ref[k], other[k]) for k in ref):\n        raise ConfigError(_why(",
+        "    if False:\n        raise ConfigError(_why(",
         [
-            "tests/test_augment.py::test_a_pipeline_with_a_random_state_of_its_own_is_refused_"
-            "before_anything_is_written",
+            "tests/test_pipeline_check.py::test_a_private_generator_behind_a_keyed_coin_is_"
+            "refused_under_every_seed[1]",
+            "tests/test_pipeline_check.py::test_a_transform_reading_the_clock_is_refused",
+        ],
+    ),
+    Mutation(
+        "pipeline-writes-stored-image",
+        "a user's pipeline given the stored image itself, not a copy (a Cutout in place "
+        "changes an in-memory split)",
+        "src/repro/data/augment.py",
+        "                image, target = image.clone(), _copy(target)\n",
+        "",
+        [
+            "tests/test_pipeline_check.py::test_a_write_into_the_input_cannot_change_the_"
+            "stored_images",
         ],
     ),
     Mutation(

@@ -157,7 +157,8 @@ def test_a_pipeline_with_a_random_state_of_its_own_is_refused_before_anything_is
         train_here(run_dir, *args, *private)
     message = str(err.value)
     assert "\n" not in message and message.startswith(
-        "augment.train: augment_pipelines.PrivateGenerator gives two outputs for one sample"
+        "augment.train: augment_pipelines.PrivateGenerator gives another output for the same "
+        "sample and key"
     )
     assert "np.random.default_rng()" in message and "generator" in message
     assert not run_dir.exists()  # refused before the run directory was made

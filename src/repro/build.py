@@ -23,6 +23,7 @@ import functools
 import inspect
 import logging
 import os
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +36,7 @@ from torch import nn
 
 from repro.config import LOOP_KEYS, locate
 from repro.data import DataSplits, DeviceBatches, KeyedPipeline, make_train_loader
-from repro.data.augment import check_pipelines
+from repro.data.pipeline_check import check_pipelines
 from repro.dist import World, barrier, device_for
 from repro.ema import WeightAverage
 from repro.errors import ConfigError, DataError, ReproError
@@ -120,29 +121,27 @@ def build_augmentation(cfg: DictConfig, data: DataSplits) -> DataSplits:
     (:func:`repro.data.augment.check_pipelines`: keyed, of ``data.image_size``)."""
     node = cfg.get("augment") or {}
     seed = int(cfg.seed)
-    built = {
-        part: KeyedPipeline(
-            instantiate_target(node[part], f"augment.{part}") if node.get(part) else None, seed
-        )
-        for part in ("train", "eval")
-    }
-    images, targets = data.train.fetch(torch.tensor([0]))
-    val_images, val_targets = data.val.fetch(torch.tensor([0]))
+
+    def maker(part: str) -> Callable[[], KeyedPipeline]:
+        def make() -> KeyedPipeline:
+            built = instantiate_target(node[part], f"augment.{part}") if node.get(part) else None
+            return KeyedPipeline(built, seed, f"augment.{part}")
+
+        return make
+
     native = str(cfg.get("inference", {}).get("mode", "pipeline")) == "native"
+    _, val_targets = data.val.fetch(torch.tensor([0]))
     if native and not (isinstance(val_targets[0], torch.Tensor) and val_targets[0].dim() == 2):
         raise ConfigError(
             "config error: inference.mode=native evaluates and predicts per-pixel masks at "
             "each image's own size; this data gives class labels: use inference.mode=pipeline."
         )
-    check_pipelines(
-        built["train"],
-        built["eval"],
-        (images[0], targets[0]),
-        (val_images[0], val_targets[0]),
-        data.image_size,
-        native=native,
+    # each pipeline built afresh for each pass, as every loader worker and resume builds it
+    make_train, make_eval = maker("train"), maker("eval")
+    data.augment_check = check_pipelines(
+        make_train, make_eval, data.train, data.val, data.image_size, native=native
     )
-    return data.with_augmentation(built["train"], built["eval"])
+    return data.with_augmentation(make_train(), make_eval())
 
 
 def build_model(cfg: DictConfig, data: DataSplits, device: torch.device) -> nn.Module:

@@ -148,6 +148,8 @@ def _train(
     cfg, t = run.cfg, run.cfg.trainer
     chosen = choose_loader(cfg, data, run.device)  # loader=auto: the same bits whichever
     report.add("3 data", "loader", chosen.name, note=chosen.why)
+    if data.augment_check is not None:  # what the augmentation self-check tried
+        report.add("3 data", "augment self-check", data.augment_check.summary())
     signals.stop_before_training(run.dir)
     # rank 0 takes the directory's lock and looks at it (and refuses before writing
     # anything); every rank gets its answer and the checkpoint to resume from

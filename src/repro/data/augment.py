@@ -20,10 +20,12 @@ are left so: nothing else draws from them there): a transform that draws from th
 torchvision's, most user code -- draws the same numbers for that sample in any worker, any
 process, after any resume, whatever it does not know about keys. A pipeline that accepts a
 ``generator`` argument gets a ``torch.Generator`` keyed the same way; one that accepts
-``key`` gets ``(seed, epoch, index)`` itself. Before the first step the pipeline is run
-:data:`REPEATS` times under one key and once under another (:func:`check_pipelines`): one
-with a private random state (``np.random.default_rng()`` made at construction) is refused
-in one line naming the transform.
+``key`` gets ``(seed, epoch, index)`` itself. A pipeline that does not say it is keyed
+gets its own copy of the sample (one that writes into its input cannot change a stored
+image). Before the first step each pipeline is built twice and run on several samples under
+several keys, in two orders, at two clock times (:mod:`repro.data.pipeline_check`): one whose
+output depends on anything but the sample and its key -- a random state of its own, a call
+counter, the clock -- is refused in one line naming the transform.
 
 The shipped transforms draw only from their key, so they skip the global states:
 :class:`CropFlip` (today's pad, crop and flip: draws counted from the key, so a whole batch
@@ -48,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from repro.data.splits import IGNORE, stack_images
-from repro.errors import ConfigError, DataError
+from repro.errors import ConfigError, DataError, ReproError
 from repro.rng import derive_seed, keyed_draws
 
 log = logging.getLogger("repro")
@@ -539,8 +541,8 @@ class KeyedPipeline:
     index)``, it runs the pipeline keyed (see the module docstring) and checks what comes
     out (a C×H×W image of the input's dtype, uint8 or float32; a mask of the image's size)."""
 
-    def __init__(self, pipeline: Callable | None, seed: int, purpose: str = "augment") -> None:
-        self.pipeline, self.seed, self.purpose = pipeline, seed, purpose
+    def __init__(self, pipeline: Callable | None, seed: int, where: str = "augment") -> None:
+        self.pipeline, self.seed, self.where = pipeline, seed, where
         # a pipeline of shipped transforms draws only from its key: no global state to set
         self.own_keys = pipeline is None or bool(getattr(pipeline, "keyed", False))
 
@@ -552,11 +554,22 @@ class KeyedPipeline:
         if self.pipeline is None:
             return image, target
         key = (self.seed, int(epoch), int(index))
-        if self.own_keys:
-            out = _call(self.pipeline, image, target, key)
-        else:
-            with keyed_global_state(*key):
+        try:
+            if self.own_keys:
                 out = _call(self.pipeline, image, target, key)
+            else:
+                # its own copy: a transform that writes into its input (a Cutout) would
+                # otherwise change an in-memory split's stored image for every later epoch
+                image, target = image.clone(), _copy(target)
+                with keyed_global_state(*key):
+                    out = _call(self.pipeline, image, target, key)
+        except ReproError:
+            raise
+        except Exception as err:  # in a loader worker too: the message and the sample kept
+            raise DataError(
+                f"{self.where}: {self.name} raised {one_line(err)} on sample {index} (epoch "
+                f"{epoch}); fix the transform or its config keys."
+            ) from err
         return _checked(out, self.name, image.dtype)
 
     @property
@@ -597,6 +610,16 @@ class KeyedPipeline:
             self(images[i], targets[i], int(epochs[i]), int(index[i])) for i in range(len(index))
         ]
         return stack([o[0] for o in out], self.name), stack_targets([o[1] for o in out])
+
+
+def _copy(target: Any) -> Any:
+    return target.clone() if isinstance(target, torch.Tensor) else target
+
+
+def one_line(err: BaseException) -> str:
+    """``Type: first line of the message``."""
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
 
 def _name(pipeline: Any) -> str:
@@ -664,106 +687,3 @@ def stack_targets(targets: list[Any]) -> torch.Tensor:
     if isinstance(targets[0], torch.Tensor) and targets[0].dim() == 2:
         return torch.stack(targets)
     return torch.tensor([int(t) for t in targets], dtype=torch.int64)
-
-
-# ------------------------------------------------------------------ the check before step 1
-
-
-# calls under one key before step 1: a private coin flip goes unseen with chance 2**-(n-1)
-REPEATS = 8
-
-
-def check_pipelines(
-    train: KeyedPipeline,
-    evaluation: KeyedPipeline,
-    sample: tuple[torch.Tensor, Any],
-    val_sample: tuple[torch.Tensor, Any],
-    size: int | None,
-    native: bool = False,
-) -> None:
-    """Before the first step (nothing written yet): the training pipeline gives one output
-    for one key, :data:`REPEATS` times (else it has a random state of its own: one line
-    naming the transform), and
-    both pipelines give ``size`` × ``size`` images -- the training one only, when evaluation
-    sees each image at its own size (``native``). A pipeline that gives one output for two
-    keys is not random: logged, not refused."""
-    a, c = train(*sample, 0, 0), train(*sample, 0, 1)
-    # a private generator that draws little (a coin flip) can repeat itself: several calls
-    if any(not _same(a, train(*sample, 0, 0)) for _ in range(REPEATS - 1)):
-        culprit = _first_unkeyed(train, sample) or train.name
-        raise ConfigError(
-            f"augment.train: {culprit} gives two outputs for one sample and key: it draws from "
-            "a random state of its own (a np.random.default_rng() or random.Random made at "
-            "construction?), which no key reaches; draw from the global np.random, random or "
-            "torch generators, or accept a `generator` argument (docs/extending.md#augmentation)."
-        )
-    if _same(a, c):
-        log.info(f"augment.train: {train.name} gives one output under two keys: not random")
-    for which, pipeline, (image, _) in (
-        ("train", train, a),
-        ("eval", evaluation, evaluation(*val_sample, 0, 0)),
-    ):
-        if size and tuple(image.shape[1:]) != (size, size) and not (native and which == "eval"):
-            native_hint = (
-                "; or evaluate each image at its own size: inference.mode=native"
-                if which == "eval"
-                else ""
-            )
-            raise ConfigError(
-                f"augment.{which}: {pipeline.name} gives {tuple(image.shape[1:])} images where "
-                f"data.image_size={size} asks for ({size}, {size}); end it with a resize or "
-                f"crop to data.image_size{native_hint}."
-            )
-    if (
-        native
-        and isinstance(train.pipeline, RESIZING)
-        and val_sample[0].shape[1:] != a[0].shape[1:]
-    ):
-        log.warning(
-            f"augment.train: {train.name} brings every image to data.image_size, but "
-            "inference.mode=native evaluates each at its own size: the model trains at another "
-            "scale than it is scored at; augment=patches trains on patches at native scale."
-        )
-
-
-# the shipped transforms that rescale whole images to data.image_size
-RESIZING = (Resize, RandomResizedCrop, CenterResize, SegmentationAugment)
-
-
-def _same(x: tuple[torch.Tensor, Any], y: tuple[torch.Tensor, Any]) -> bool:
-    def equal(u: Any, v: Any) -> bool:
-        if isinstance(u, torch.Tensor) or isinstance(v, torch.Tensor):
-            return (
-                isinstance(u, torch.Tensor)
-                and isinstance(v, torch.Tensor)
-                and (u.shape == v.shape and torch.equal(u, v))
-            )
-        return u == v
-
-    return equal(x[0], y[0]) and equal(x[1], y[1])
-
-
-def _first_unkeyed(pipeline: KeyedPipeline, sample: tuple[torch.Tensor, Any]) -> str | None:
-    """The first transform of a composed pipeline (``.transforms``: torchvision's, ours,
-    albumentations') that gives two outputs for one key, run on what the ones before it
-    gave."""
-    parts = getattr(pipeline.pipeline, "transforms", None)
-    if not isinstance(parts, list | tuple):
-        return None
-    image, target = sample
-    for part in parts:
-        one = KeyedPipeline(part, pipeline.seed)
-        try:
-            first = _call_part(one, image, target)
-            if any(not _same(first, _call_part(one, image, target)) for _ in range(REPEATS - 1)):
-                return _name(part)
-        except Exception:  # a part that cannot run alone on this input: name the whole
-            return None
-        image, target = first
-    return None
-
-
-def _call_part(one: KeyedPipeline, image: torch.Tensor, target: Any) -> Any:
-    key = (one.seed, 0, 0)
-    with keyed_global_state(*key):
-        return _call(one.pipeline, image, target, key)

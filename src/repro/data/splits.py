@@ -183,6 +183,7 @@ class DataSplits:
             )
         self.train_pipeline: Any = None  # the augment config's, once attached
         self.eval_pipeline: Any = None
+        self.augment_check: Any = None  # what the self-check saw (repro.data.pipeline_check)
 
     @property
     def in_channels(self) -> int:
