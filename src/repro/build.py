@@ -117,8 +117,10 @@ def build_data(cfg: DictConfig, world: World | None = None) -> DataSplits:
 def build_augmentation(cfg: DictConfig, data: DataSplits) -> DataSplits:
     """The ``augment`` group's pipelines, keyed by the training seed, attached to ``data``
     (the training one for the loader, the evaluation one in front of the validation and
-    test splits), and checked on a sample before anything is written
-    (:func:`repro.data.augment.check_pipelines`: keyed, of ``data.image_size``)."""
+    test splits), and checked before anything is written: each built afresh for each pass
+    of :func:`repro.data.pipeline_check.check_pipelines` (several samples and keys, two
+    orders, two clock times, of ``data.image_size``), as every loader worker and every
+    resume builds it."""
     node = cfg.get("augment") or {}
     seed = int(cfg.seed)
 
@@ -130,18 +132,21 @@ def build_augmentation(cfg: DictConfig, data: DataSplits) -> DataSplits:
         return make
 
     native = str(cfg.get("inference", {}).get("mode", "pipeline")) == "native"
-    _, val_targets = data.val.fetch(torch.tensor([0]))
-    if native and not (isinstance(val_targets[0], torch.Tensor) and val_targets[0].dim() == 2):
+    if native and not _gives_masks(data.val):
         raise ConfigError(
             "config error: inference.mode=native evaluates and predicts per-pixel masks at "
             "each image's own size; this data gives class labels: use inference.mode=pipeline."
         )
-    # each pipeline built afresh for each pass, as every loader worker and resume builds it
     make_train, make_eval = maker("train"), maker("eval")
     data.augment_check = check_pipelines(
         make_train, make_eval, data.train, data.val, data.image_size, native=native
     )
     return data.with_augmentation(make_train(), make_eval())
+
+
+def _gives_masks(split: Any) -> bool:
+    target = split.fetch(torch.tensor([0]))[1][0]
+    return isinstance(target, torch.Tensor) and target.dim() == 2
 
 
 def build_model(cfg: DictConfig, data: DataSplits, device: torch.device) -> nn.Module:
