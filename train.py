@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from repro.config import check_overrides
 from repro.errors import INTERRUPTED_EXIT_CODE, Preempted, ReproError, exit_with, report_error
-from repro.files import ERROR_FILE, LAUNCH_DIR, LOG_FILE
+from repro.files import ERROR_FILE, LAUNCH_DIR, LOG_FILE, open_run_file, resume_command
 from repro.process_env import under_torchrun
 from repro.signals import arm as arm_preemption
 
@@ -60,7 +60,7 @@ def main(cfg: DictConfig) -> float:
     except KeyboardInterrupt:  # a second Ctrl-C (or one before training started): at once
         print(
             "interrupted: stopped at once. To continue from the last checkpoint (if one was "
-            f"written): the same command plus trainer.resume=auto hydra.run.dir={run_dir}",
+            f"written): the same command plus {resume_command(run_dir)}",
             file=sys.stderr,
         )
         raise SystemExit(INTERRUPTED_EXIT_CODE) from None
@@ -87,7 +87,7 @@ def main(cfg: DictConfig) -> float:
                 traceback.print_exc()
                 raise SystemExit(1) from None
             log_file = run_dir / LOG_FILE
-            with open(log_file, "a") as f:
+            with open_run_file(log_file, "a") as f:  # never through a link
                 f.write(traceback.format_exc())
             first = (str(err).strip().splitlines() or [""])[0]
             print(

@@ -4,6 +4,7 @@ byte, and a directory holding someone else's files is not written into."""
 import hashlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -271,3 +272,108 @@ def test_a_batch_larger_than_the_training_split_is_refused_before_the_directory_
     with pytest.raises(Exception, match=r"fewer than trainer.batch_size=2048"):
         train_here(run_dir, *QUICK, "trainer.batch_size=2048", "trainer.micro_batch_size=32")
     assert list(run_dir.iterdir()) == []
+
+
+def test_the_printed_resume_command_pastes_back_the_run_directory(tmp_path, caplog):
+    """Each place that prints the resume command (a notice before the first step, one after
+    a checkpoint, a full disk) prints one that a shell splits and Hydra's override parser
+    reads back as the run directory exactly: a default directory's `seed=0`, a space, a
+    quote and backslashes included."""
+    import errno
+    import logging
+    import shlex
+    import signal
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from repro.dist import World
+    from repro.errors import Preempted
+    from repro.preemption import Preemption
+    from repro.rundir import disk_error
+    from repro.signals import PreemptionSignals
+
+    run_dir = tmp_path / "outputs" / "2026-01-01" / "12-00-00_seed=0_ab" / "it's a \\b\\"
+    notice = PreemptionSignals()
+    notice.received = signal.SIGTERM
+    with caplog.at_level(logging.INFO, logger="repro"):
+        with pytest.raises(Preempted):
+            notice.stop_before_training(run_dir)
+        with pytest.raises(Preempted):
+            Preemption(notice, World(), 10).stop(5, run_dir / "checkpoints" / "x.pt", run_dir)
+    full = disk_error(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(run_dir)), run_dir)
+    printed = [*(r.getMessage() for r in caplog.records), str(full)]
+    assert len(printed) == 3
+    parser = OverridesParser.create()
+    for message in printed:
+        words = shlex.split(message.rsplit(" plus ", 1)[1])
+        assert words[0] == "trainer.resume=auto" and len(words) == 2, message
+        override = parser.parse_override(words[1])
+        assert override.key_or_group == "hydra.run.dir" and override.value() == str(run_dir)
+
+
+def _refused_as_a_link(path: Path):
+    message = (
+        f"{path} is a symbolic link; a run's files are never written through links: remove it."
+    )
+    return pytest.raises(ConfigError, match=f"^{re.escape(message)}$")
+
+
+def test_a_lock_or_log_that_is_a_link_is_refused_and_what_it_leads_to_is_unchanged(tmp_path):
+    """`.lock` and `train.log` (Hydra's job log: a FileHandler that opens at its first
+    record, conf/train.yaml) each a symbolic link to a file outside the run, in a run's
+    directory relaunched with trainer.resume=auto (a requeued job): the launch is refused in
+    one line naming it, and the file it leads to keeps its bytes."""
+    import logging
+
+    outside = tmp_path / "precious.txt"
+    outside.write_text("mine\n")
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)  # a run's: killed before its first checkpoint
+    job_log = logging.FileHandler(run_dir / "train.log", delay=True)
+    logging.getLogger().addHandler(job_log)
+    try:
+        for name in (LOCK_FILE, "train.log"):
+            (run_dir / name).symlink_to(outside)
+            with _refused_as_a_link(run_dir / name):
+                train_here(run_dir, *QUICK, "trainer.resume=auto")
+            assert (run_dir / name).is_symlink() and sorted(os.listdir(run_dir)) == [".hydra", name]
+            (run_dir / name).unlink()
+    finally:
+        logging.getLogger().removeHandler(job_log)
+        job_log.close()
+    assert outside.read_text() == "mine\n"
+
+
+def test_every_file_a_run_appends_to_refuses_a_link(tmp_path):
+    """The files a run writes in place rather than by rename (trace, CSV logs, the
+    determinism report) never through a link; another run's logs adopted by a resume replace
+    a link instead of writing through it."""
+    from repro.determinism import DeterminismReport
+    from repro.files import open_run_file
+    from repro.loggers import CsvLog
+    from repro.rundir import adopt_logs
+    from repro.trace import TraceWriter
+
+    outside = tmp_path / "precious.txt"
+    outside.write_text("mine\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for name in ("trace.jsonl", "metrics.csv", "determinism.json"):
+        (run_dir / name).symlink_to(outside)
+    writes = [
+        (lambda: open_run_file(run_dir / "metrics.csv", "a"), "metrics.csv"),
+        (lambda: TraceWriter(run_dir / "trace.jsonl"), "trace.jsonl"),
+        (lambda: TraceWriter(run_dir / "trace.jsonl", mode="a"), "trace.jsonl"),
+        (lambda: CsvLog(run_dir / "metrics.csv", ["step", "loss"]), "metrics.csv"),
+        (lambda: DeterminismReport("strict", "cpu").save(run_dir), "determinism.json"),
+    ]
+    for write, name in writes:
+        with _refused_as_a_link(run_dir / name):
+            write()
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "metrics.csv").write_text("step,loss\n1,0.5\n")
+    adopt_logs(source, run_dir)
+    assert not (run_dir / "metrics.csv").is_symlink()
+    assert (run_dir / "metrics.csv").read_text() == "step,loss\n1,0.5\n"
+    assert outside.read_text() == "mine\n"

@@ -119,6 +119,37 @@ def test_confirm_refuses_a_trial_whose_config_would_not_repeat(search, tmp_path)
     assert not (tmp_path / "out").exists()
 
 
+def test_confirm_takes_a_search_launched_with_run_control_keys(tmp_path):
+    """A search launched with `trainer.resume=auto trainer.progress=false` (what docs/tools.md
+    tells SLURM sweeps to pass): those keys say how the trials ran, not what they computed,
+    so they are no difference on either side; a key that computes still is. The sweep's
+    files are written here as Hydra would, nothing trained."""
+    from omegaconf import OmegaConf
+
+    from repro.config import compose
+    from repro.errors import ReproError
+    from repro.search import check_the_config_repeats, top_trials
+
+    run_control = ["trainer.resume=auto", "trainer.progress=false", "trainer.resume_force=true"]
+    for num, lr in enumerate(["0.05", "0.1"]):
+        job = tmp_path / f"{num}_seed=0"
+        (job / ".hydra").mkdir(parents=True)
+        overrides = ["hparams_search=convnet", f"optim.lr={lr}", *run_control]
+        (job / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(overrides))
+        config = OmegaConf.to_yaml(compose([f"optim.lr={lr}", *run_control]))
+        (job / ".hydra" / "config.yaml").write_text(config)
+        summary = {"headline": "val_accuracy", "val_accuracy": 0.5 + num / 10}
+        (job / "summary.json").write_text(json.dumps(summary))
+    trials, seeds, _ = top_trials(tmp_path, 2)
+    assert [t.overrides for t in trials] == [["optim.lr=0.1"], ["optim.lr=0.05"]] and seeds == [0]
+    for t in trials:
+        check_the_config_repeats(t)  # no difference: the run-control keys do not count
+    config = trials[0].job.dir / ".hydra" / "config.yaml"
+    config.write_text(config.read_text().replace("momentum: 0.9", "momentum: 0.8"))
+    with pytest.raises(ReproError, match=r"compose another config than it ran \(optim.momentum\)"):
+        check_the_config_repeats(trials[0])
+
+
 def test_search_presets_need_the_multirun_flag_and_their_experiment():
     with pytest.raises(ConfigError, match="add -m"):
         check_overrides(["hparams_search=convnet"], CONF_DIR, multirun=False)

@@ -32,6 +32,7 @@ from omegaconf import DictConfig
 
 from repro import dist
 from repro.errors import DeterminismError
+from repro.files import open_run_file
 from repro.process_env import REEXEC_MARKER, TF32_OVERRIDE, hash_seed_in_effect, strict_like
 from repro.rng import seed_global_rngs
 
@@ -137,8 +138,12 @@ class DeterminismReport:
         return "\n".join(lines)
 
     def save(self, run_dir: Path) -> None:
-        (run_dir / "determinism.json").write_text(json.dumps(self.to_dict(), indent=2, default=str))
-        (run_dir / "determinism.txt").write_text(self.format() + "\n")
+        for name, text in (
+            ("determinism.json", json.dumps(self.to_dict(), indent=2, default=str)),
+            ("determinism.txt", self.format() + "\n"),
+        ):
+            with open_run_file(run_dir / name, "w") as f:  # never through a link
+                f.write(text)
 
 
 def _layer0_process(report: DeterminismReport, dcfg: DictConfig, device: torch.device) -> None:

@@ -1,9 +1,18 @@
 """The names of what a run directory holds (docs/resume.md describes each), in one place and
-without heavy imports, so that the tools that only read a run do not load torch; and how
-its JSON files keep valid (:func:`finite_or_null`)."""
+without heavy imports, so that the tools that only read a run do not load torch; how its
+JSON files keep valid (:func:`finite_or_null`); how its files are opened to append, never
+through a link (:func:`open_run_file`); and how its directory is named on a command line
+(:func:`resume_command`)."""
 
+import errno
 import math
-from typing import Any
+import os
+import re
+import shlex
+from pathlib import Path
+from typing import IO, Any
+
+from repro.errors import ConfigError
 
 TRACE_FILE = "trace.jsonl"  # repro.trace
 ENV_FILE = "env.json"  # repro.fingerprint
@@ -33,3 +42,56 @@ def finite_or_null(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [finite_or_null(v) for v in obj]
     return obj
+
+
+def link_refused(path: str | Path) -> ConfigError:
+    """The one line for a run's file found to be a symbolic link (never written through)."""
+    return ConfigError(
+        f"{path} is a symbolic link; a run's files are never written through links: remove it."
+    )
+
+
+def open_run_file(path: str | Path, mode: str = "a", **kwargs: Any) -> IO[Any]:
+    """A run's file opened to append (``"a"``) or to write from empty (``"w"``), created if
+    need be, never through a symbolic link (``O_NOFOLLOW``): one found at ``path`` is
+    refused (:func:`link_refused`), what it leads to left as it was. ``kwargs``: those of
+    :func:`open` (``newline``, ``encoding``)."""
+    if mode.rstrip("bt") not in ("a", "w"):
+        raise ValueError(f"open_run_file: mode {mode!r} (give 'a' or 'w')")
+    append = os.O_APPEND if mode.startswith("a") else os.O_TRUNC
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | append, 0o666)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise link_refused(path) from None
+        raise
+    return os.fdopen(fd, mode, **kwargs)
+
+
+def hydra_quoted(value: str) -> str:
+    """``value`` as a quoted value of Hydra's override grammar (``'...'``): a quote escaped,
+    and the backslashes doubled where they precede a quote or the closing one (elsewhere a
+    backslash is itself)."""
+    escaped = re.sub(
+        r"(\\*)('|\Z)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), value
+    )
+    return f"'{escaped}'"
+
+
+def shell_override(key: str, value: str) -> str:
+    """``key=value`` as one word to paste into a shell, read back by Hydra as ``value``
+    exactly: a path with ``=`` in it (the default ``..._seed=0_...``) Hydra-quoted, then the
+    word quoted for the shell, as docs/resume.md writes it (``"key='value'"``)."""
+    if not (re.fullmatch(r"[\w./-]+", value, re.ASCII) and "/" in value):  # else a plain path
+        value = hydra_quoted(value)
+    word = f"{key}={value}"
+    if re.fullmatch(r"[\w./=-]+", word, re.ASCII):
+        return word
+    return f'"{word}"' if not re.search(r'[$`"\\!]', word) else shlex.quote(word)
+
+
+def resume_command(run_dir: str | Path | None = None) -> str:
+    """What to add to a run's command to resume it: ``trainer.resume=auto`` and its
+    directory (``hydra.run.dir``), quoted to paste."""
+    where = "" if run_dir is None else " " + shell_override("hydra.run.dir", str(run_dir))
+    return "trainer.resume=auto" + where

@@ -41,7 +41,14 @@ from typing import Any, ClassVar
 from repro.checkpoint import atomic_write
 from repro.config import RUN_CONTROL, flatten
 from repro.errors import ConfigError, MissingPackage
-from repro.files import EVAL_FILE, LOGGERS_FILE, METRICS_FILE, TRACE_FILE, finite_or_null
+from repro.files import (
+    EVAL_FILE,
+    LOGGERS_FILE,
+    METRICS_FILE,
+    TRACE_FILE,
+    finite_or_null,
+    open_run_file,
+)
 
 log = logging.getLogger("repro")
 METRICS_FIELDS = ["step", "epoch", "loss", "grad_norm", "lr"]
@@ -218,10 +225,10 @@ class CsvLog:
             buf = io.StringIO()
             csv.writer(buf).writerows([fields, *(rows[s] for s in sorted(rows))])
             atomic_write(path, lambda f: f.write(buf.getvalue().encode()))
-            self.file = open(path, "a", newline="")
+            self.file = open_run_file(path, "a", newline="")  # never through a link
             self.writer = csv.writer(self.file)
         else:
-            self.file = open(path, "w", newline="")
+            self.file = open_run_file(path, "w", newline="")
             self.writer = csv.writer(self.file)
             self.writer.writerow(fields)
         self.file.flush()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from repro.dist import StopVote, World, barrier
 from repro.errors import Preempted
+from repro.files import resume_command
 from repro.progress import span
 from repro.signals import PreemptionSignals
 
@@ -51,7 +52,7 @@ class Preemption:
         (log.warning if self.world.main else log.info)(
             f"{name} received: stopped after step {done}/{self.max_steps}, checkpoint "
             f"{checkpoint}; exit status {stopping.code}. Resume with the same command "
-            f"plus trainer.resume=auto hydra.run.dir={run_dir}"
+            f"plus {resume_command(run_dir)}"
         )
         self.signals.hand_over()  # e.g. submitit: requeue this job (and exit)
         raise stopping

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -53,6 +54,9 @@ from repro.files import (
     TRACE_FILE,
     VAL_PER_SAMPLE_FILE,
     finite_or_null,
+    link_refused,
+    open_run_file,
+    resume_command,
 )
 
 log = logging.getLogger("repro")
@@ -94,6 +98,7 @@ def prepare_run_dir(
     says why a checkpoint cannot be restored into this run (None if it can): such a
     checkpoint is passed over like a damaged one."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    refuse_links(run_dir)
     refuse_what_is_not_a_run(run_dir, bool(cfg.trainer.allow_existing_dir))
     found = _resume_point(cfg, run_dir, identity, fits)
     max_steps = int(cfg.trainer.max_steps)
@@ -275,6 +280,16 @@ def _ours(name: str) -> bool:
     )
 
 
+def refuse_links(run_dir: Path) -> None:
+    """A file the run writes (``train.log``, ``metrics.csv``...) that is a symbolic link is
+    refused, naming it, before anything is written: a run's files are never written
+    through links. (A linked folder -- ``checkpoints/`` on another disk -- is the user's
+    choice: the files in it are replaced by rename.)"""
+    for p in sorted(run_dir.iterdir()):
+        if _ours(p.name) and p.is_symlink() and not p.is_dir():
+            raise link_refused(p)
+
+
 def refuse_what_is_not_a_run(run_dir: Path, allow: bool) -> None:
     """A directory that is neither empty nor a run is someone's: refused, unless ``allow``;
     and even then, a file there with a name the run writes (a ``metrics.csv`` of one's own)
@@ -302,7 +317,8 @@ class HeldFileLogs:
     record), held back from the moment this is made until :meth:`release`: written then if
     the directory became the run's, dropped (they still went to the console) if it was
     refused. A warning logged while the data is built (a skipped image) must neither create a
-    file in a directory that is refused, nor make this launch's own directory look taken."""
+    file in a directory that is refused, nor make this launch's own directory look taken.
+    When the file opens, it opens never through a link (:func:`repro.files.open_run_file`)."""
 
     def __init__(self, run_dir: Path) -> None:
         root, folder = logging.getLogger(), Path(run_dir).resolve()
@@ -311,8 +327,9 @@ class HeldFileLogs:
             if (
                 isinstance(handler, logging.FileHandler)
                 and handler.stream is None  # not opened yet (delay=True)
-                and Path(handler.baseFilename).resolve().parent == folder
+                and Path(handler.baseFilename).parent.resolve() == folder  # a link's too
             ):
+                handler._open = functools.partial(_open_log, handler)  # type: ignore[method-assign]
                 holding = _Holding(handler.level)
                 root.handlers[i] = holding
                 self.swapped.append((handler, holding))
@@ -326,6 +343,14 @@ class HeldFileLogs:
             for record in holding.records if write else []:
                 handler.handle(record)
         self.swapped = []
+
+
+def _open_log(handler: logging.FileHandler) -> Any:
+    """What ``handler`` opens its file with (logging's ``FileHandler._open``), but never
+    through a link."""
+    return open_run_file(
+        handler.baseFilename, handler.mode, encoding=handler.encoding, errors=handler.errors
+    )
 
 
 class _Holding(logging.Handler):
@@ -369,11 +394,15 @@ class RunDirLock:
         for _ in range(10):
             try:
                 fd, created = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
-            except FileExistsError:
+            except FileExistsError:  # a link too: O_EXCL follows none
                 try:
-                    fd, created = os.open(self.path, os.O_RDWR), False
+                    fd, created = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW), False
                 except FileNotFoundError:  # its holder removed it as we looked
                     continue
+                except OSError as err:
+                    if err.errno == errno.ELOOP:  # never locked, written or removed
+                        raise link_refused(self.path) from None
+                    raise
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as err:
@@ -481,7 +510,8 @@ def adopt_logs(source_run: Path, run_dir: Path) -> None:
         return
     for name in LOG_FILES:
         if (source_run / name).is_file():
-            shutil.copyfile(source_run / name, run_dir / name)
+            with open(source_run / name, "rb") as source:  # replaced by rename: never a link's
+                atomic_write(run_dir / name, lambda f, source=source: shutil.copyfileobj(source, f))
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -506,8 +536,7 @@ def disk_error(err: OSError, run_dir: Path) -> CheckpointError | None:
     return CheckpointError(
         f"cannot write {where}: {err.strerror} ({_free(where)} free there); the last good "
         f"checkpoint is {run_dir / CHECKPOINT_DIR / good if good else 'none yet'}. Free space "
-        "or make it writable, then resume: the same command plus trainer.resume=auto "
-        f"hydra.run.dir={run_dir}"
+        f"or make it writable, then resume: the same command plus {resume_command(run_dir)}"
     )
 
 

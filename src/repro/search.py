@@ -23,6 +23,7 @@ from typing import Any
 from repro.comparisons import seed_order
 from repro.config import RUN_CONTROL, SEARCH_CONTROL, find_conf_dir
 from repro.errors import ReproError
+from repro.files import hydra_quoted
 from repro.report import Job, as_json, find_jobs, load_yaml, override_key, write_report
 
 
@@ -39,6 +40,12 @@ def _computes(o: str) -> bool:
     key = override_key(o)
     controls = ("seed", *RUN_CONTROL, *SEARCH_CONTROL)
     return not any(key == c or key.startswith(c + ".") for c in controls)
+
+
+def _run_control(key: str) -> bool:
+    """A config key that says how a run was launched (``trainer.resume=auto``), not what it
+    computes."""
+    return any(key == c or key.startswith(c + ".") for c in RUN_CONTROL)
 
 
 def higher_is_better(sweep_dir: Path, jobs: list[Job]) -> bool:
@@ -101,7 +108,11 @@ def check_the_config_repeats(trial: Trial) -> None:
     cfg = compose([*trial.overrides, f"seed={trial.job.seed}"])
     now = flatten(OmegaConf.to_container(cfg, resolve=False, enum_to_str=True))
     then = flatten(load_yaml(path))
-    differ = sorted(k for k in set(now) | set(then) if now.get(k) != then.get(k))
+    differ = sorted(
+        k
+        for k in set(now) | set(then)
+        if now.get(k) != then.get(k) and not _run_control(k)  # how it ran, on both sides
+    )
     if differ:
         raise ReproError(
             f"{trial.job.dir}: its overrides, less the search's, compose another config than it "
@@ -157,14 +168,13 @@ def confirm(
     dirs, failed = {}, 0
     for t in trials:
         trial_dir = out / f"trial-{t.rank}"
-        quoted = str(trial_dir).replace("\\", "\\\\").replace("'", "\\'")
         cmd = [
             sys.executable,
             str(train_py),
             "-m",
             *t.overrides,
             f"seed={','.join(map(str, chosen))}",
-            f"hydra.sweep.dir='{quoted}'",
+            f"hydra.sweep.dir={hydra_quoted(str(trial_dir))}",
             *(extra or []),
         ]
         log(

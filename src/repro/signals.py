@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from repro.errors import Preempted
+from repro.files import resume_command
 
 log = logging.getLogger("repro")
 
@@ -76,10 +77,9 @@ class PreemptionSignals:
             if checkpoint_step
             else "nothing was trained yet"
         )
-        where = f" hydra.run.dir={run_dir}" if run_dir is not None else ""
         log.warning(
             f"{name} received before the first step: stopped ({kept}); exit status "
-            f"{stopping.code}. Resume with the same command plus trainer.resume=auto{where}"
+            f"{stopping.code}. Resume with the same command plus {resume_command(run_dir)}"
         )
         self.hand_over()  # e.g. submitit: requeue this job (and exit)
         raise stopping

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from repro.dist import World, all_gather_cpu, check_same
+from repro.files import open_run_file
 from repro.progress import span
 
 
@@ -144,7 +145,7 @@ class TraceWriter:
 
     def __init__(self, path: Path, mode: str = "w") -> None:
         self.path = Path(path)
-        self.file = open(self.path, mode)
+        self.file = open_run_file(self.path, mode)  # never through a link
 
     def write(self, records: list[dict[str, Any]]) -> None:
         self.file.write("".join(json.dumps(r, allow_nan=True) + "\n" for r in records))
