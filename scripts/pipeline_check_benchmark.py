@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,7 +25,6 @@ from pathlib import Path
 from _results import command_line, environment_line, today, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def cases(root: Path) -> dict[str, list[str]]:

@@ -147,9 +147,7 @@ def _train(
     run = run.resolved(training.channels_last, report)  # channels_last=auto: what it chose
     cfg, t = run.cfg, run.cfg.trainer
     chosen = choose_loader(cfg, data, run.device)  # loader=auto: the same bits whichever
-    report.add("3 data", "loader", chosen.name, note=chosen.why)
-    if data.augment_check is not None:  # what the augmentation self-check tried
-        report.add("3 data", "augment self-check", data.augment_check.summary())
+    report_data(report, chosen, data)
     signals.stop_before_training(run.dir)
     # rank 0 takes the directory's lock and looks at it (and refuses before writing
     # anything); every rank gets its answer and the checkpoint to resume from
@@ -231,6 +229,13 @@ def _train(
     clock.stop()
     done_with = (run, training, data, checkpoints, logs, tracer, clock, chosen)
     return broadcast_object(finish(*done_with) if world.main else None, world)
+
+
+def report_data(report: DeterminismReport, chosen: LoaderChoice, data: DataSplits) -> None:
+    """Layer 3's rows: the loader chosen and what the augmentation self-check tried."""
+    report.add("3 data", "loader", chosen.name, note=chosen.why)
+    if data.augment_check is not None:
+        report.add("3 data", "augment self-check", data.augment_check.summary())
 
 
 @dataclass(frozen=True)
