@@ -280,3 +280,47 @@ def test_tolerance_fails_when_a_run_has_no_evaluation_of_the_headline(runs, tmp_
     result = compare_dirs(runs["a"].dir, copy, tolerance=10)
     assert not result.identical and result.lines[0].startswith("outside tolerance 10")
     assert f"val_accuracy (the headline): no evaluation in {copy} to compare" in result.text()
+
+
+# What no run writes, in a trace line or env.json (by damage, or by hand): each is refused in
+# one line naming the file (and the line), by `repro compare` exact and with a tolerance.
+HUGE = "1" + "0" * 400  # a JSON integer; float() of it raises OverflowError
+DEEP = "[" * 100_000 + "]" * 100_000  # json.loads raises RecursionError
+BAD_RECORDS = {
+    "huge loss": '{"step": 2, "loss": ' + HUGE + ', "grad_norm": 1.0, "lr": 0.1}',
+    "deep": DEEP,
+    "string loss": '{"step": 2, "loss": "0.5", "grad_norm": 1.0, "lr": 0.1}',
+    "eval not an object": '{"step": 2, "loss": 0.5, "grad_norm": 1.0, "lr": 0.1, "eval": [1]}',
+}
+
+
+def fake_trace_run(run_dir, lines, env=None):
+    """A run directory with only what compare reads: trace.jsonl (and env.json)."""
+    run_dir.mkdir()
+    (run_dir / "trace.jsonl").write_text("".join(line + "\n" for line in lines))
+    if env is not None:
+        (run_dir / "env.json").write_text(env)
+    return run_dir
+
+
+def test_a_trace_or_env_holding_what_no_run_writes_is_one_line_naming_it(tmp_path, capsys):
+    from repro.cli import main
+
+    step = {"grad_norm": 1.0, "lr": 0.1, "eval": {"val_accuracy": 0.5}}
+    lines = [
+        json.dumps({"step": 0, "weights_sha256": "0" * 64}),
+        *(json.dumps({"step": s, "loss": 0.5, **step}) for s in (1, 2)),
+    ]
+    a = fake_trace_run(tmp_path / "a", lines, env="{}")
+    cases = [
+        (fake_trace_run(tmp_path / name.replace(" ", "-"), [*lines[:2], line]), "trace.jsonl:3")
+        for name, line in BAD_RECORDS.items()
+    ]
+    for name, env in (("env-huge", '{"config": {"seed": ' + HUGE + "}}"), ("env-deep", DEEP)):
+        cases.append((fake_trace_run(tmp_path / name, lines, env=env), "env.json"))
+    for b, where in cases:
+        for args in ([], ["--tolerance", "1"]):
+            assert main(["compare", str(a), str(b), *args]) == 2, (b, args)
+            err = capsys.readouterr().err
+            assert err.startswith(f"repro compare: {b / where}: "), err[:300]
+            assert len(err.strip().splitlines()) == 1 and len(err) < 400, err[:300]

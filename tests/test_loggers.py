@@ -222,3 +222,48 @@ def test_a_run_killed_before_its_first_checkpoint_continues_its_mlflow_run(tmp_p
     assert [r.info.status for r in runs] == ["FINISHED"], [r.info for r in runs]
     run_id = json.loads((run.dir / "loggers.json").read_text())["mlflow"]["run_id"]
     assert runs[0].info.run_id == run_id
+
+
+HUGE = "1" + "0" * 400  # a JSON integer; float() of it raises OverflowError
+DEEP = "[" * 100_000 + "]" * 100_000  # json.loads raises RecursionError
+
+
+def test_a_resume_over_a_damaged_trace_names_the_file_and_rebuilds_nothing_from_it(
+    tmp_path, caplog
+):
+    """On resume, metrics.csv's missing rows are rebuilt from trace.jsonl: from a line that
+    is not a record (a loss no float holds, nesting too deep to parse, a loss that is text)
+    nothing is, and a warning names the file, the line and the step before it; the trace is
+    kept up to that step; a loggers.json so damaged is as none."""
+    from repro.loggers import CsvLogger, RunInfo, remember, remembered
+    from repro.logs import keep_trace_prefix
+
+    row = {"epoch": 0, "grad_norm": 1.0, "lr": 0.1}
+    good = [json.dumps({"step": s, "loss": 0.5, **row}) for s in range(5)]
+    for n, bad in enumerate(
+        (
+            '{"step": 3, "epoch": 0, "loss": ' + HUGE + ', "grad_norm": 1.0, "lr": 0.1}',
+            DEEP,
+            '{"step": 3, "epoch": 0, "loss": "0.5", "grad_norm": 1.0, "lr": 0.1}',
+        )
+    ):
+        run = tmp_path / str(n)
+        run.mkdir()
+        (run / "trace.jsonl").write_text("".join(x + "\n" for x in [*good[:3], bad, good[4]]))
+        (run / "loggers.json").write_text(bad)
+        caplog.clear()
+        logger = CsvLogger()
+        logger.start(RunInfo(run, {"trainer": {"max_steps": 8}}, [], ["val_accuracy"], 4, True))
+        logger.close()
+        with open(run / "metrics.csv") as f:
+            assert [r["step"] for r in csv.DictReader(f)] == ["1", "2"], bad[:60]
+        warned = "\n".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+        assert f"{run / 'trace.jsonl'}:4 (after step 2): not a trace record (" in warned
+        assert "metrics.csv: steps 3-4 are missing" in warned
+        caplog.clear()
+        assert keep_trace_prefix(run / "trace.jsonl", 4) == 2
+        assert f"{run / 'trace.jsonl'}:4: not a trace record (" in caplog.text
+        assert (run / "trace.jsonl").read_text() == "".join(x + "\n" for x in good[:3])
+        assert remembered(run, "mlflow") is None
+        remember(run, "mlflow", {"run_id": "x"})
+        assert remembered(run, "mlflow") == {"run_id": "x"}

@@ -999,16 +999,18 @@ def test_a_best_pt_damaged_during_the_run_is_repaired_at_the_end(best_early, tmp
 
 def test_a_damaged_summary_of_a_finished_run_is_written_again(straight, tmp_path):
     run = straight("mid-epoch")
-    copy = shutil.copytree(run.dir, tmp_path / "end")
-    (copy / "summary.json").write_bytes(b'{"weights_sha256": "\xff')
-    done = resume(copy, SCENARIOS["mid-epoch"])
-    assert "summary.json is damaged" in done.output
-    for key in ("weights_sha256", "final_loss", "val_loss", "val_accuracy", "steps", "best"):
-        assert done.summary[key] == run.summary[key], key
-    assert (
-        json.loads((copy / "summary.json").read_text())["weights_sha256"]
-        == (run.summary["weights_sha256"])
-    )
+    # cut short in a string; nested too deep for json.loads (RecursionError)
+    for name, damaged in (("end", b'{"weights_sha256": "\xff'), ("deep", b"[" * 100_000)):
+        copy = shutil.copytree(run.dir, tmp_path / name)
+        (copy / "summary.json").write_bytes(damaged)
+        done = resume(copy, SCENARIOS["mid-epoch"])
+        assert f"{copy / 'summary.json'} is damaged" in done.output
+        for key in ("weights_sha256", "final_loss", "val_loss", "val_accuracy", "steps", "best"):
+            assert done.summary[key] == run.summary[key], key
+        assert (
+            json.loads((copy / "summary.json").read_text())["weights_sha256"]
+            == (run.summary["weights_sha256"])
+        )
 
 
 @pytest.mark.e2e

@@ -377,3 +377,18 @@ def test_every_file_a_run_appends_to_refuses_a_link(tmp_path):
     assert not (run_dir / "metrics.csv").is_symlink()
     assert (run_dir / "metrics.csv").read_text() == "step,loss\n1,0.5\n"
     assert outside.read_text() == "mine\n"
+
+
+def test_a_lock_file_holding_what_no_run_writes_is_taken_as_a_dead_runs(tmp_path):
+    """A .lock nested too deep to parse, or naming a pid no float holds: its holder is
+    unknown, and the lock (free: no process holds it) is taken, not a traceback."""
+    from repro.rundir import RunDirLock
+
+    for n, text in enumerate(("[" * 4096, '{"pid": 1' + "0" * 400 + "}")):
+        run_dir = tmp_path / str(n)
+        run_dir.mkdir()
+        (run_dir / LOCK_FILE).write_text(text)
+        lock = RunDirLock(run_dir)
+        lock.acquire()
+        assert json.loads((run_dir / LOCK_FILE).read_text())["pid"] == os.getpid()
+        lock.release()

@@ -385,3 +385,124 @@ def test_confirm_ranks_a_seed_sweep_by_each_configs_mean_and_picks_fresh_seeds(s
     assert [t.value for t in trials] == sorted(means.values(), reverse=True)
     assert all(t.seeds == [0, 1, 2] for t in trials)
     assert fresh_seeds(used, 3) == [3, 4, 5] and fresh_seeds([1, 3], 3) == [0, 2, 4]
+
+
+# `repro report` on sweep directories fabricated as a finished sweep leaves them (no training)
+HUGE = "1" + "0" * 400  # a JSON integer; float() of it raises OverflowError
+DEEP = "[" * 100_000 + "]" * 100_000  # json.loads raises RecursionError
+MULTIRUN = """hydra:
+  sweeper:
+    _target_: hydra._internal.core_plugins.basic_sweeper.BasicSweeper
+    params: null
+  overrides:
+    task: ['seed={seeds}']
+"""
+
+
+def fake_sweep(sweep, values, planned=None):
+    """A `python train.py -m seed=...` sweep's directory: job ``num_seed=S`` per (seed,
+    val_accuracy, val_loss) of ``values`` (.hydra/, summary.json; a value None is JSON's
+    null, as a non-finite one is written), and multirun.yaml planning seeds ``planned``."""
+    for num, (seed, acc, loss) in enumerate(values):
+        job = sweep / f"{num}_seed={seed}"
+        (job / ".hydra").mkdir(parents=True)
+        (job / ".hydra" / "overrides.yaml").write_text(f"- seed={seed}\n")
+        (job / ".hydra" / "config.yaml").write_text(f"seed: {seed}\n")
+        summary = {"val_accuracy": acc, "val_loss": loss, "final_loss": 0.5, "steps": 6}
+        summary.update(headline="val_accuracy", higher_is_better=True, seed=seed)
+        summary.update(metric_names=["val_accuracy", "val_loss"], weights_sha256=f"{num:064}")
+        (job / "summary.json").write_text(json.dumps(summary))
+    if planned:
+        (sweep / "multirun.yaml").write_text(MULTIRUN.format(seeds=",".join(map(str, planned))))
+    return sweep
+
+
+def test_a_summary_holding_what_no_run_writes_is_one_line_naming_it(tmp_path, capsys):
+    from repro.cli import main
+    from repro.report import build_report
+
+    for name, text in (
+        ("huge", '{"val_accuracy": ' + HUGE + ', "headline": "val_accuracy"}'),
+        ("deep", DEEP),
+        ("deep-value", '{"val_accuracy": ' + DEEP + "}"),
+        ("array", "[0.5]"),
+        ("names", '{"val_accuracy": 0.5, "metric_names": 3}'),
+    ):
+        sweep = fake_sweep(tmp_path / name, [(0, 0.5, 1.0), (1, 0.6, 0.9)])
+        (sweep / "1_seed=1" / "summary.json").write_text(text)
+        assert main(["report", str(sweep)]) == 2, name
+        err = capsys.readouterr().err
+        assert err.startswith(f"repro report: {sweep / '1_seed=1' / 'summary.json'}: "), err[:300]
+        assert len(err.strip().splitlines()) == 1 and len(err) < 400, err[:300]
+    # a failed job's error.json that cannot be read is a failed job whose error is unknown
+    sweep = fake_sweep(tmp_path / "error", [(0, 0.5, 1.0), (1, 0.6, 0.9)])
+    (sweep / "1_seed=1" / "summary.json").unlink()
+    for text in (DEEP, '{"message": ' + HUGE + "}", "[1]"):
+        (sweep / "1_seed=1" / "error.json").write_text(text)
+        (g,) = build_report(sweep)["groups"]
+        assert g["jobs"][1]["status"] == "failed", text[:20]
+        assert g["jobs"][1]["error"] == "error.json is unreadable (cut short or damaged)"
+
+
+def test_the_report_says_which_values_it_left_out_of_the_statistics(tmp_path):
+    """Jobs that finished with trainer.on_nonfinite=continue (summary.json writes their NaN
+    or infinite loss as null), and values that are not numbers: named, metric by metric."""
+    from repro.report import build_report, format_markdown
+
+    values = [(0, 0.5, None), (1, 0.6, None), (2, "0.7", None), (3, math.nan, None)]
+    report = build_report(fake_sweep(tmp_path / "sweep", values))
+    (g,) = report["groups"]
+    assert g["metrics"]["val_accuracy"]["n"] == 2 and g["metrics"]["final_loss"]["n"] == 4
+    text = format_markdown(report, {})
+    assert "- **val_loss**: non-finite in every finished job (4)." in text
+    assert "no finished job" not in text
+    assert (
+        "  - left out: 2_seed=2 (seed 2): not a number ('0.7'); 3_seed=3 (seed 3): non-finite"
+        in text
+    )
+    assert text.count("left out") == 1  # final_loss: every job's
+
+
+def test_the_same_directory_twice_is_read_once(tmp_path, capsys):
+    from repro.report import build_report
+
+    sweep = fake_sweep(tmp_path / "sweep", [(0, 0.5, 1.0), (1, 0.6, 0.9), (2, 0.7, 0.8)])
+    (tmp_path / "link").symlink_to(sweep)
+    for again in (sweep, tmp_path / "link", sweep / "1_seed=1"):
+        report = build_report([sweep, again])
+        assert report["jobs"] == 3 and report["dirs"] == [str(sweep)], again
+        (g,) = report["groups"]
+        assert g["metrics"]["val_accuracy"]["n"] == 3 and len(g["jobs"]) == 3
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"repro report: {again}: ") and "once" in line, line
+
+
+def test_a_finished_job_without_its_launch_record_is_listed_as_finished(tmp_path):
+    """A job whose .hydra/ is gone is finished (it has summary.json), not "never started":
+    in its group where the sweep's plan names it, else listed on its own."""
+    import shutil
+
+    from repro.report import build_report, format_markdown
+
+    values = [(0, 0.5, 1.0), (1, 0.6, 0.9), (2, 0.7, 0.8), (7, 0.9, 0.1)]
+    sweep = fake_sweep(tmp_path / "sweep", values, planned=[0, 1, 2, 3])
+    shutil.rmtree(sweep / "1_seed=1" / ".hydra")
+    shutil.move(sweep / "3_seed=7", sweep / "9_seed=7")  # a job the plan does not name
+    shutil.rmtree(sweep / "9_seed=7" / ".hydra")
+    report = build_report(sweep)
+    assert (report["jobs"], report["ok"], report["not_started"]) == (4, 3, 1)
+    (g,) = report["groups"]
+    assert [(j["job"], j["status"], j["launch_record"]) for j in g["jobs"]] == [
+        ("0_seed=0", "ok", True),
+        ("1_seed=1", "ok", False),
+        ("2_seed=2", "ok", True),
+        ("3", "not started", True),
+    ]
+    assert g["metrics"]["val_accuracy"]["n"] == 3
+    assert g["jobs"][1]["rerun"] == "python train.py seed=1"  # repro rerun needs .hydra/
+    text = format_markdown(report, {})
+    assert "4 jobs planned: 3 finished, 0 failed, 0 incomplete, 1 never started" in text
+    assert "; 1 more job directory without a launch record (at the end)" in text
+    assert "- 1_seed=1 (seed 1): its launch record (.hydra/) is gone: its overrides" in text
+    ((unplaced),) = report["unplaced"]
+    assert unplaced["job"] == "9_seed=7" and unplaced["error"].startswith("finished; its launch")

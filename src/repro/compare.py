@@ -10,7 +10,6 @@ deviations instead.
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from typing import Any
 
 from repro.config import flatten
 from repro.errors import ReproError
-from repro.files import ENV_FILE, TRACE_FILE
+from repro.files import ENV_FILE, TRACE_FILE, parse_json, parse_trace_record
 
 # Differences in these are listed but are expected between any two runs.
 _VOLATILE = ("git.",)
@@ -84,11 +83,9 @@ def load_run(path: str | Path) -> RunRecords:
     notes, steps = [], []
     for n, line in enumerate(lines, 1):
         try:
-            record = json.loads(line)
+            record = parse_trace_record(line)
             step = record["step"]
-            if not isinstance(step, int):
-                raise TypeError("step is not an integer")
-        except (ValueError, KeyError, TypeError) as err:
+        except ValueError as err:
             if n == len(lines) and not text.endswith("\n"):
                 notes.append(f"{trace}: last line cut short (killed while writing); ignored")
                 break
@@ -107,7 +104,9 @@ def load_run(path: str | Path) -> RunRecords:
     env = None
     if (path / ENV_FILE).is_file():
         try:
-            env = json.loads((path / ENV_FILE).read_text())
+            env = parse_json((path / ENV_FILE).read_bytes())
+            if not isinstance(env, dict):
+                raise ValueError("not a JSON object")
         except ValueError as err:
             raise ReproError(f"{path / ENV_FILE}: not JSON ({err}); the file is damaged.") from None
     else:

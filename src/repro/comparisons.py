@@ -137,7 +137,8 @@ def per_seed(group: dict[str, Any], metric: str) -> tuple[dict[Any, float], list
     for j in group["jobs"]:
         v = j.get(metric)
         key = pair_key(j)
-        if j["status"] == "ok" and isinstance(v, (int, float)) and math.isfinite(v):
+        number = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if j["status"] == "ok" and number and math.isfinite(v):
             if key in values:  # the group ran this seed twice (two directories' jobs)
                 what = "seed and fold" if isinstance(key, tuple) else "seed"
                 left_out.append(

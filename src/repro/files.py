@@ -1,10 +1,11 @@
 """The names of what a run directory holds (docs/resume.md describes each), in one place and
 without heavy imports, so that the tools that only read a run do not load torch; how its
-JSON files keep valid (:func:`finite_or_null`); how its files are opened to append, never
-through a link (:func:`open_run_file`); and how its directory is named on a command line
-(:func:`resume_command`)."""
+JSON files keep valid (:func:`finite_or_null`) and are read back (:func:`parse_json`); how
+its files are opened to append, never through a link (:func:`open_run_file`); and how its
+directory is named on a command line (:func:`resume_command`)."""
 
 import errno
+import json
 import math
 import os
 import re
@@ -42,6 +43,58 @@ def finite_or_null(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [finite_or_null(v) for v in obj]
     return obj
+
+
+def _float_sized_int(text: str) -> int:
+    """A JSON integer; one no float can hold (``float()`` of it raises OverflowError where
+    the value is used, as a metric, a loss) is refused as damage: ValueError."""
+    value = int(text)  # over 4300 digits: ValueError already
+    if len(text) > 308:  # the largest float has 309 digits
+        try:
+            float(value)
+        except OverflowError:
+            digits = len(text.lstrip("-"))
+            raise ValueError(f"an integer of {digits} digits, beyond a float's range") from None
+    return value
+
+
+def parse_json(text: str | bytes) -> Any:
+    """``json.loads`` for a file a run left behind, which damage (or a hand) may have filled
+    with what this package never writes: an integer beyond a float's range and nesting too
+    deep to parse (RecursionError) are ``ValueError`` here, like any other text that is not
+    JSON, so that the reader's one ``except ValueError`` names the file. (``1e400`` is a
+    float: infinity, as a diverged loss.)"""
+    try:
+        return json.loads(text, parse_int=_float_sized_int)
+    except RecursionError:
+        raise ValueError("nested too deeply to read") from None
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def parse_trace_record(line: str) -> dict[str, Any]:
+    """One line of ``trace.jsonl`` (:mod:`repro.trace`) as its record; ValueError, saying
+    what is wrong, for a line that is not one: not JSON (:func:`parse_json`), not an object
+    with an integer ``step``, or an entry not of the kind the trace writes and its readers
+    (compare, a resume's rebuilt logs) take it for: a number, a digest, a mapping of them."""
+    record = parse_json(line)
+    if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+        raise ValueError("not an object with an integer step")
+    for key in ("epoch", "loss", "grad_norm", "lr"):
+        if not (record.get(key) is None or _number(record[key])):
+            raise ValueError(f"step {record['step']}'s {key} is {str(record[key])[:40]!r}")
+    for key in ("eval", "tensors", "batch", "task"):
+        if not isinstance(record.get(key) or {}, dict):
+            raise ValueError(f"step {record['step']}'s {key} is not a JSON object")
+    for key, value in (record.get("eval") or {}).items():
+        if not _number(value):
+            raise ValueError(f"step {record['step']}'s {key} is {str(value)[:40]!r}")
+    for key in ("inputs", "labels"):
+        if not isinstance((record.get("batch") or {}).get(key, ""), str):
+            raise ValueError(f"step {record['step']}'s batch {key} is not a digest")
+    return record
 
 
 def link_refused(path: str | Path) -> ConfigError:

@@ -48,6 +48,8 @@ from repro.files import (
     TRACE_FILE,
     finite_or_null,
     open_run_file,
+    parse_json,
+    parse_trace_record,
 )
 
 log = logging.getLogger("repro")
@@ -175,18 +177,22 @@ def continues(held: dict[str, Any], info: RunInfo) -> bool:
 def remembered(run_dir: Path, name: str) -> dict[str, Any] | None:
     """What logger ``name`` wrote into the run directory's ``loggers.json`` (the ids that
     let a resumed run continue the same MLflow or W&B run)."""
+    held = _loggers_json(run_dir / LOGGERS_FILE).get(name)
+    return held if isinstance(held, dict) else None
+
+
+def _loggers_json(path: Path) -> dict[str, Any]:
+    """``loggers.json``; ``{}`` where it is missing or damaged (:func:`parse_json`)."""
     try:
-        return json.loads((run_dir / LOGGERS_FILE).read_text()).get(name)
+        held = parse_json(path.read_bytes())
     except (OSError, ValueError):
-        return None
+        return {}
+    return held if isinstance(held, dict) else {}
 
 
 def remember(run_dir: Path, name: str, value: dict[str, Any]) -> None:
     path = run_dir / LOGGERS_FILE
-    try:
-        held = json.loads(path.read_text())
-    except (OSError, ValueError):
-        held = {}
+    held = _loggers_json(path)
     text = json.dumps({**held, name: value}, indent=2) + "\n"
     atomic_write(path, lambda f: f.write(text.encode()))
 
@@ -284,20 +290,28 @@ def _ranges(steps: list[int]) -> str:
 
 
 def _trace_records(run_dir: Path, up_to: int) -> dict[int, dict[str, Any]]:
-    """The records of ``trace.jsonl`` for steps 1 .. ``up_to``, until its first bad line."""
+    """The records of ``trace.jsonl`` for steps 1 .. ``up_to``, until its first line that is
+    not a record (:func:`repro.files.parse_trace_record`): named in a warning where it comes
+    before step ``up_to``, for no row is rebuilt from there on."""
+    path = run_dir / TRACE_FILE
     try:
-        text = (run_dir / TRACE_FILE).read_bytes().decode("utf-8", errors="replace")
+        text = path.read_bytes().decode("utf-8", errors="replace")
     except OSError:
         return {}
-    records = {}
-    for line in text.splitlines():
+    records: dict[int, dict[str, Any]] = {}
+    for n, line in enumerate(text.splitlines(), 1):
         try:
-            record = json.loads(line)
-            step = int(record["step"])
-        except (ValueError, KeyError, TypeError):
+            record = parse_trace_record(line)
+        except ValueError as err:
+            if up_to not in records:
+                after = f" (after step {max(records)})" if records else ""
+                log.warning(
+                    f"{path}:{n}{after}: not a trace record ({err}); no row is rebuilt from "
+                    "it or the lines after it"
+                )
             break
-        if 1 <= step <= up_to:
-            records[step] = record
+        if 1 <= record["step"] <= up_to:
+            records[record["step"]] = record
     return records
 
 
@@ -322,15 +336,19 @@ class CsvLogger(Logger):
             return records
 
         def metric_rows(steps: list[int]) -> dict[int, list[Any]]:
-            t = traced()
-            return {s: [s, *(t[s][k] for k in METRICS_FIELDS[1:])] for s in steps if s in t}
+            t = traced()  # the values of its records are numbers or null (parse_trace_record)
+            return {
+                s: [s, *(t[s][k] for k in METRICS_FIELDS[1:])]
+                for s in steps
+                if all(t.get(s, {}).get(k) is not None for k in METRICS_FIELDS[1:])
+            }
 
         def eval_rows(steps: list[int]) -> dict[int, list[Any]]:
             t = traced()
             return {
                 s: [s, *(t[s]["eval"][m] for m in info.metric_names)]
                 for s in steps
-                if "eval" in t.get(s, {}) and set(info.metric_names) <= set(t[s]["eval"])
+                if set(info.metric_names) <= set(t.get(s, {}).get("eval") or {})
             }
 
         trainer = info.config.get("trainer") or {}

@@ -10,7 +10,6 @@ step. Floats are written with ``repr``, which round-trips them exactly.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from concurrent.futures import Future
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 
 from repro.checkpoint import atomic_write
-from repro.files import TRACE_FILE
+from repro.files import TRACE_FILE, parse_trace_record
 from repro.loggers import METRICS_FIELDS, Loggers
 from repro.progress import Progress, span
 from repro.trace import TraceWriter
@@ -32,15 +31,23 @@ CONSOLE_METRICS = 4
 
 def keep_trace_prefix(path: Path, step: int) -> int:
     """Keep the records of steps <= ``step`` of a trace (a resumed run); return the last
-    step kept (less than ``step`` when records are missing)."""
+    step kept (less than ``step`` when records are missing, or a line is not a record: it is
+    named in a warning)."""
     kept: list[str] = []
     if path.is_file():
-        for line in path.read_text().splitlines():
+        # bytes that are not UTF-8 (garbage appended, a damaged disk) become U+FFFD
+        lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
+        for n, line in enumerate(lines, 1):
             try:
-                record = json.loads(line)
-            except ValueError:
-                break  # a line cut short by the kill
-            if record.get("step") != len(kept) or record["step"] > step:
+                record = parse_trace_record(line)
+            except ValueError as err:  # a line cut short by the kill, or damaged
+                if len(kept) - 1 < step:
+                    log.warning(
+                        f"{path}:{n}: not a trace record ({err}); the trace is kept up to "
+                        f"step {len(kept) - 1}"
+                    )
+                break
+            if record["step"] != len(kept) or record["step"] > step:
                 break
             kept.append(line + "\n")
     atomic_write(path, lambda f: f.write("".join(kept).encode()))

@@ -29,6 +29,7 @@ import json
 import math
 import shlex
 import statistics
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,18 @@ from omegaconf import OmegaConf
 from repro.comparisons import compare_groups, format_comparisons, plot_comparison
 from repro.config import RUN_CONTROL
 from repro.errors import ReproError
-from repro.files import ERROR_FILE, EVAL_FILE, METRICS_FILE, SUMMARY_FILE, finite_or_null
+from repro.files import (
+    CHECKPOINT_DIR,
+    ENV_FILE,
+    ERROR_FILE,
+    EVAL_FILE,
+    LAUNCH_DIR,
+    METRICS_FILE,
+    SUMMARY_FILE,
+    TRACE_FILE,
+    finite_or_null,
+    parse_json,
+)
 from repro.stats import mean_interval
 
 # The headline and metrics of summaries written before tasks recorded them.
@@ -59,11 +71,13 @@ class Job:
     num: int
     overrides: list[str]
     seed: int | None
-    status: str  # ok | failed | incomplete | not started
+    status: str  # ok | failed | incomplete | not started | no launch record
     summary: dict[str, Any] = field(default_factory=dict)
     error: str = ""
     source: int = 0  # which of the report's directories it came from
     fold: int | None = None  # data.fold of a cross-validated job (data.folds set), else None
+    # False: its .hydra/ is gone (overrides: the sweep's plan for its number)
+    launch_record: bool = True
 
     @property
     def metrics(self) -> list[str]:
@@ -77,12 +91,17 @@ class Job:
         return tuple(o for o in self.overrides if override_key(o) not in (*POOLED, *RUN_CONTROL))
 
     def rerun_command(self) -> str:
-        if self.status == NOT_STARTED:  # no directory to re-run from: its own command
+        if self.status == NOT_STARTED or not self.launch_record:  # its own command
             return "python train.py " + shlex.join(self.overrides)
         return f"repro rerun {self.dir}"
 
 
 NOT_STARTED = "not started"
+# A job directory whose launch record (.hydra/) is gone and whose overrides the sweep's plan
+# does not give: listed on its own, in no group.
+NO_LAUNCH = "no launch record"
+# What a job's directory holds besides its launch record (repro.rundir.RUN_MARKERS)
+RUN_FILES = (SUMMARY_FILE, ERROR_FILE, TRACE_FILE, ENV_FILE, CHECKPOINT_DIR, "determinism.json")
 
 
 def planned_jobs(sweep_dir: Path) -> list[list[str]] | None:
@@ -130,20 +149,46 @@ def _fold_of(config: Any) -> int | None:
     return None
 
 
+def _summary(job_dir: Path) -> dict[str, Any]:
+    """A finished job's ``summary.json``; one line naming it where it is damaged: not JSON
+    (:func:`repro.files.parse_json`: also a number no float holds, nesting too deep), not
+    an object, or its headline and metric names not names."""
+    path = job_dir / SUMMARY_FILE
+    try:
+        summary = parse_json(path.read_bytes())
+        if not isinstance(summary, dict):
+            raise TypeError("not a JSON object")
+        names = summary.get("metric_names", [])
+        if not isinstance(summary.get("headline", ""), str) or not (
+            isinstance(names, list) and all(isinstance(n, str) for n in names)
+        ):
+            raise TypeError("its headline or metric_names are not names")
+        if not isinstance(summary.get("environment") or {}, dict):
+            raise TypeError("its environment is not a JSON object")
+    except OSError as err:
+        raise ReproError(
+            f"{path}: cannot be read ({err.strerror or err}); make it readable, or move its job "
+            "directory out of the sweep."
+        ) from None
+    except (ValueError, TypeError) as err:  # UnicodeDecodeError included
+        what = "not JSON" if isinstance(err, ValueError) else "not a job's summary"
+        raise ReproError(
+            f"{path}: {what} ({err}); the file is damaged: "
+            f"re-run the job (repro rerun {job_dir}) or move it out of the sweep."
+        ) from None
+    return summary
+
+
 def _job_status(job_dir: Path) -> tuple[str, dict[str, Any], str]:
     if (job_dir / SUMMARY_FILE).is_file():
-        try:
-            return "ok", json.loads((job_dir / SUMMARY_FILE).read_text()), ""
-        except ValueError as err:  # UnicodeDecodeError included
-            raise ReproError(
-                f"{job_dir / SUMMARY_FILE}: not JSON ({err}); the file is damaged: "
-                f"re-run the job (repro rerun {job_dir}) or move it out of the sweep."
-            ) from None
+        return "ok", _summary(job_dir), ""
     if (job_dir / ERROR_FILE).is_file():
         try:
-            err = json.loads((job_dir / ERROR_FILE).read_text())
-        except ValueError:
-            return "failed", {}, f"{ERROR_FILE} is unreadable (cut short)"
+            err = parse_json((job_dir / ERROR_FILE).read_bytes())
+            if not isinstance(err, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError):
+            return "failed", {}, f"{ERROR_FILE} is unreadable (cut short or damaged)"
         return "failed", {}, f"{err.get('type')}: {err.get('message')}"
     from repro.checkpoint import list_checkpoints  # torch: only for an unfinished job
 
@@ -174,7 +219,13 @@ def _job(job_dir: Path, num: int, source: int) -> Job | None:
     overrides_file = job_dir / ".hydra" / "overrides.yaml"
     if not overrides_file.is_file():
         return None
-    overrides = [str(o) for o in load_yaml(overrides_file)]
+    overrides = load_yaml(overrides_file)
+    if not isinstance(overrides, list):
+        raise ReproError(
+            f"{overrides_file}: not a list of overrides; the file is damaged: fix it, or move "
+            "its job directory out of the sweep."
+        )
+    overrides = [str(o) for o in overrides]
     config_file = job_dir / ".hydra" / "config.yaml"
     seed = fold = None
     if config_file.is_file():
@@ -187,6 +238,32 @@ def _job(job_dir: Path, num: int, source: int) -> Job | None:
     return Job(job_dir, num, overrides, seed, status, summary, error, source, fold)
 
 
+def _orphan(
+    job_dir: Path, planned: list[list[str]], default_seed: Any, default_fold: Any, source: int
+) -> Job:
+    """A sweep's job directory whose launch record (``.hydra/``) is gone: its overrides are
+    the sweep's plan for its number (``multirun.yaml``) where the plan has that job and its
+    seed is the one the job recorded; else it is a job of its own kind (:data:`NO_LAUNCH`),
+    in no group."""
+    num = int(job_dir.name.split("_", 1)[0])
+    status, summary, error = _job_status(job_dir)
+    recorded = summary.get("seed")
+    overrides = planned[num] if num < len(planned) else None
+    seed = _override_value(overrides or [], None)
+    if None not in (seed, recorded) and seed != recorded:
+        overrides = None  # another job's plan (the sweep's multirun.yaml was replaced?)
+    seed = next((s for s in (seed, recorded, default_seed) if s is not None), None)
+    fold = _override_value(overrides or [], default_fold, "data.fold")
+    gone = f"its launch record ({LAUNCH_DIR}/) is gone"
+    if overrides is None:
+        what = {"ok": "finished", "failed": f"failed ({error})", "incomplete": error}[status]
+        error = f"{what}; {gone} and the sweep's plan does not name it: its overrides are unknown"
+        return Job(job_dir, num, [], recorded, NO_LAUNCH, summary, error, source, fold, False)
+    note = f"{gone}: its overrides are the sweep's plan for job {num}"
+    error = f"{error}; {note}" if error else note
+    return Job(job_dir, num, overrides, seed, status, summary, error, source, fold, False)
+
+
 def find_jobs(sweep_dir: Path, source: int = 0) -> list[Job]:
     """The jobs of a sweep's directory, the planned ones that never started included; or the
     one job of a run's directory."""
@@ -196,20 +273,24 @@ def find_jobs(sweep_dir: Path, source: int = 0) -> list[Job]:
     alone = _job(sweep_dir, 0, source)  # `python train.py ...`'s run directory
     if alone is not None:
         return [alone]
-    jobs = []
+    jobs, orphans = [], []
     for sub in sorted(p for p in sweep_dir.iterdir() if p.is_dir()):
         job = _job(sub, len(jobs), source)
         if job is not None:
             jobs.append(job)
-    if not jobs:
+        elif sub.name.split("_", 1)[0].isdigit() and any((sub / f).exists() for f in RUN_FILES):
+            orphans.append(sub)  # a job's directory whose launch record is gone
+    if not jobs and not orphans:
         raise ReproError(
             f"{sweep_dir}: no job directories (with .hydra/overrides.yaml); give the directory "
             "of a `python train.py -m ...` sweep, e.g. multirun/<date>/<time>_<id>, or of a run."
         )
-    started = {_what(j.overrides) for j in jobs}  # by what a job computes, not its folder
     default_seed = next((j.seed for j in jobs if j.seed is not None), None)
     default_fold = next((j.fold for j in jobs if j.fold is not None), None)
-    for num, overrides in enumerate(planned_jobs(sweep_dir) or []):
+    planned = planned_jobs(sweep_dir) or []
+    jobs += [_orphan(sub, planned, default_seed, default_fold, source) for sub in orphans]
+    started = {_what(j.overrides) for j in jobs if j.status != NO_LAUNCH}  # what they compute
+    for num, overrides in enumerate(planned):
         if _what(overrides) not in started:  # the sweep was stopped before this job
             seed = _override_value(overrides, default_seed)
             fold = _override_value(overrides, default_fold, "data.fold")
@@ -242,7 +323,7 @@ def outliers(jobs: list[Job], metric: str, stats: dict[str, Any]) -> list[dict[s
     found = []
     for j in jobs:
         value = j.summary.get(metric)
-        if not isinstance(value, (int, float)) or not math.isfinite(value):
+        if not _finite(value):
             continue  # left out of the statistics too
         z = (value - stats["mean"]) / sd
         if abs(z) > 2:
@@ -259,15 +340,20 @@ def outliers(jobs: list[Job], metric: str, stats: dict[str, Any]) -> list[dict[s
 
 
 def _curves(job_dir: Path, metric: str) -> tuple[dict[int, float], dict[int, float]]:
-    """The training loss per step and ``metric`` per evaluation."""
-    loss, evals = {}, {}
-    if (job_dir / METRICS_FILE).is_file():
-        with open(job_dir / METRICS_FILE) as f:
-            loss = {int(r["step"]): float(r["loss"]) for r in csv.DictReader(f)}
-    if (job_dir / EVAL_FILE).is_file():
-        with open(job_dir / EVAL_FILE) as f:
-            evals = {int(r["step"]): float(r[metric]) for r in csv.DictReader(f) if r.get(metric)}
-    return loss, evals
+    """The training loss per step and ``metric`` per evaluation (a row that does not read as
+    numbers, damaged, is left out of the figure)."""
+    curves: list[dict[int, float]] = []
+    for name, column in ((METRICS_FILE, "loss"), (EVAL_FILE, metric)):
+        points = {}
+        if (job_dir / name).is_file():
+            with open(job_dir / name, errors="replace", newline="") as f:
+                for r in csv.DictReader(f):
+                    try:
+                        points[int(r["step"])] = float(r[column])
+                    except (KeyError, TypeError, ValueError):
+                        continue
+        curves.append(points)
+    return curves[0], curves[1]
 
 
 def labels(dirs: list[Path]) -> list[str]:
@@ -280,14 +366,83 @@ def labels(dirs: list[Path]) -> list[str]:
     return [str(d) for d in dirs]  # the same directory twice
 
 
+def _read_once(dirs: list[Path]) -> tuple[list[Path], list[Job]]:
+    """The directories and their jobs, each job once (by resolved path): a directory given
+    again (under another name too), or one whose jobs another given directory holds (a
+    sweep and one of its jobs), is left out, and a line on stderr says so."""
+    kept: list[Path] = []
+    jobs: list[Job] = []
+    seen: dict[Path, Path] = {}  # a job's resolved directory -> the directory it was read from
+    for d in dirs:
+        found = find_jobs(d, source=len(kept))
+        new = [j for j in found if j.dir.resolve() not in seen]
+        if len(new) < len(found):
+            first = seen[next(j.dir.resolve() for j in found if j.dir.resolve() in seen)]
+            line = (
+                ("given twice" if d == first else f"the same directory as {first}") + ": read once"
+                if d.resolve() == first.resolve()
+                else f"{len(found) - len(new)} of its {len(found)} jobs are also {first}'s: "
+                "each counted once"
+            )
+            print(f"repro report: {d}: {line}", file=sys.stderr)
+        if not new:
+            continue
+        seen.update((j.dir.resolve(), d) for j in new)
+        kept.append(d)
+        jobs += new
+    return kept, jobs
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _finite(value: Any) -> bool:
+    """A number the statistics can use (an integer too large for a float is refused when
+    its file is read: :func:`repro.files.parse_json`)."""
+    return _number(value) and math.isfinite(value)
+
+
+def _scalar(value: Any) -> Any:
+    """A summary's value as a report shows it: a list or object (a damaged file, a hand)
+    by its kind only."""
+    return value if value is None or isinstance(value, (str, int, float)) else type(value).__name__
+
+
+def _left_out(ok: list[Job], metric: str) -> list[dict[str, Any]]:
+    """The finished jobs whose ``metric`` is not in its statistics, and why: not finite
+    (``trainer.on_nonfinite=continue``: summary.json holds a NaN or infinity as null), not a
+    number, or not recorded."""
+    out = []
+    for j in ok:
+        value = j.summary.get(metric)
+        if _finite(value):
+            continue
+        if metric not in j.summary:
+            why = "not recorded"
+        elif value is None or _number(value):
+            why = "non-finite"
+        else:
+            why = f"not a number ({str(_scalar(value))[:24]!r})"
+        out.append({"job": j.dir.name, "seed": j.seed, "fold": j.fold, "why": why})
+    return out
+
+
 def build_report(
     dirs: Path | list[Path], baseline: str | None = None, metrics: list[str] | None = None
 ) -> dict[str, Any]:
     """The report of one sweep (or run) directory, or of several compared: the groups, their
     statistics, and each group compared with the ``baseline`` group (:mod:`repro.comparisons`)
     on the headline metric and ``metrics``."""
-    dirs = [Path(d) for d in ([dirs] if isinstance(dirs, (str, Path)) else dirs)]
-    jobs = [j for i, d in enumerate(dirs) for j in find_jobs(d, source=i)]
+    dirs, jobs = _read_once([Path(d) for d in ([dirs] if isinstance(dirs, (str, Path)) else dirs)])
+    unplaced = [j for j in jobs if j.status == NO_LAUNCH]
+    jobs = [j for j in jobs if j.status != NO_LAUNCH]
+    if not jobs:
+        raise ReproError(
+            f"{dirs[0]}: no job directory has its launch record ({LAUNCH_DIR}/overrides.yaml), "
+            "nor does the sweep's plan (multirun.yaml) name them; put back a job's "
+            f"{LAUNCH_DIR}/ directory to report on it."
+        )
     dir_labels = labels(dirs)
     groups: dict[tuple[int, tuple[str, ...]], list[Job]] = {}
     for j in jobs:
@@ -298,10 +453,9 @@ def build_report(
         metric_names = (ok or members)[0].metrics  # the group's task: headline first
         per_metric = {}
         for m in metric_names:
-            values = [j.summary[m] for j in ok if isinstance(j.summary.get(m), (int, float))]
-            values = [v for v in values if math.isfinite(v)]
-            stats = mean_interval(values)
+            stats = mean_interval([float(j.summary[m]) for j in ok if _finite(j.summary.get(m))])
             stats["outliers"] = outliers(ok, m, stats)
+            stats["left_out"] = _left_out(ok, m)
             per_metric[m] = stats
         first = (ok or members)[0].summary
         out_groups.append(
@@ -317,15 +471,19 @@ def build_report(
                         "fold": j.fold,
                         "status": j.status,
                         "error": j.error,
-                        **{m: j.summary.get(m) for m in (*metric_names, "steps", "weights_sha256")},
+                        **{
+                            m: _scalar(j.summary.get(m))
+                            for m in (*metric_names, "steps", "weights_sha256")
+                        },
                         "rerun": j.rerun_command(),
+                        "launch_record": j.launch_record,
                     }
                     for j in members
                 ],
                 "headline": metric_names[0],
                 "higher_is_better": first.get("higher_is_better"),
                 "metrics": per_metric,
-                "distinct_weights": len({j.summary["weights_sha256"] for j in ok}),
+                "distinct_weights": len({str(j.summary.get("weights_sha256")) for j in ok}),
             }
         )
     common = [o for o in out_groups[0]["overrides"] if all(o in g["overrides"] for g in out_groups)]
@@ -343,6 +501,11 @@ def build_report(
         "incomplete": sum(j.status == "incomplete" for j in jobs),
         "not_started": sum(j.status == NOT_STARTED for j in jobs),
         "groups": out_groups,
+        # job directories whose launch record is gone and whose overrides are unknown
+        "unplaced": [
+            {"job": j.dir.name, "dir": str(j.dir), "seed": j.seed, "error": j.error}
+            for j in unplaced
+        ],
     }
     report.update(compare_groups(out_groups, list(groups.values()), baseline, metrics))
     return report
@@ -358,6 +521,37 @@ def _seed_fold(entry: dict[str, Any]) -> str:
     return f"seed {entry['seed']}" + (f", fold {fold}" if fold is not None else "")
 
 
+def _metric_lines(m: str, s: dict[str, Any]) -> list[str]:
+    """A group's statistics of metric ``m``: its distribution, outliers and values left out."""
+    lines: list[str] = []
+    left = s.get("left_out") or []  # finished jobs whose value is not a finite number
+    if s["n"] == 0 and not left:
+        lines.append(f"- **{m}**: no finished job.")
+    elif s["n"] == 0 and all(x["why"] == "non-finite" for x in left):
+        lines.append(f"- **{m}**: non-finite in every finished job ({len(left)}).")
+        left = []
+    elif s["n"] == 0:
+        lines.append(f"- **{m}**: no finished job has a finite value.")
+    elif s["n"] == 1:
+        lines.append(f"- **{m}**: {s['mean']:.4f} (n=1: no spread; run more seeds)")
+    else:
+        lines.append(
+            f"- **{m}**: mean {s['mean']:.4f}, SD {s['sd']:.4f}, min {s['min']:.4f}, "
+            f"max {s['max']:.4f}; 95% CI of the mean [{s['ci95'][0]:.4f}, "
+            f"{s['ci95'][1]:.4f}] (Student t, n={s['n']}, df={s['df']}, t={s['t']:.3f})"
+        )
+    for o in s["outliers"]:
+        lines.append(
+            f"  - {_seed_fold(o)} ({o['job']}): {o['value']:.4f} is {abs(o['z']):.1f} SD "
+            f"{'above' if o['z'] > 0 else 'below'} the mean"
+        )
+    if left:
+        lines.append(
+            "  - left out: " + "; ".join(f"{x['job']} ({_seed_fold(x)}): {x['why']}" for x in left)
+        )
+    return lines
+
+
 def format_markdown(report: dict[str, Any], figures: dict[int, str]) -> str:
     counts = (
         f"{report['jobs']} jobs: {report['ok']} finished, {report['failed']} failed, "
@@ -366,6 +560,10 @@ def format_markdown(report: dict[str, Any], figures: dict[int, str]) -> str:
     if report.get("not_started"):  # the sweep was stopped before it started them all
         counts = counts.replace(" jobs: ", " jobs planned: ", 1)
         counts += f", {report['not_started']} never started"
+    unplaced = report.get("unplaced") or []
+    if unplaced:  # in no group: listed at the end
+        many = "y" if len(unplaced) == 1 else "ies"
+        counts += f"; {len(unplaced)} more job director{many} without a launch record (at the end)"
     dirs = report.get("dirs") or [report["sweep_dir"]]
     lines = [
         "# Sweep report: " + ", ".join(f"`{d}`" for d in dirs),
@@ -391,7 +589,7 @@ def format_markdown(report: dict[str, Any], figures: dict[int, str]) -> str:
         ]
         for j in g["jobs"]:
             status = j["status"] if j["status"] == "ok" else f"**{j['status']}**"
-            weights = f"`{j['weights_sha256'][:12]}`" if j["weights_sha256"] else "–"
+            weights = f"`{str(j['weights_sha256'])[:12]}`" if j["weights_sha256"] else "–"
             values = " | ".join(_num(j[m]) for m in names)
             fold = f" {_num(j.get('fold'))} |" if folds else ""
             lines.append(
@@ -407,28 +605,19 @@ def format_markdown(report: dict[str, Any], figures: dict[int, str]) -> str:
                 "",
             ]
         for m, s in g["metrics"].items():
-            if s["n"] == 0:
-                lines.append(f"- **{m}**: no finished job.")
-                continue
-            if s["n"] == 1:
-                lines.append(f"- **{m}**: {s['mean']:.4f} (n=1: no spread; run more seeds)")
-                continue
-            lines.append(
-                f"- **{m}**: mean {s['mean']:.4f}, SD {s['sd']:.4f}, min {s['min']:.4f}, "
-                f"max {s['max']:.4f}; 95% CI of the mean [{s['ci95'][0]:.4f}, "
-                f"{s['ci95'][1]:.4f}] (Student t, n={s['n']}, df={s['df']}, t={s['t']:.3f})"
-            )
-            for o in s["outliers"]:
-                lines.append(
-                    f"  - {_seed_fold(o)} ({o['job']}): {o['value']:.4f} is {abs(o['z']):.1f} SD "
-                    f"{'above' if o['z'] > 0 else 'below'} the mean"
-                )
+            lines += _metric_lines(m, s)
         problems = [j for j in g["jobs"] if j["status"] != "ok"]
         if problems:
             lines += ["", "Not in the statistics:"]
             lines += [
                 f"- {j['job']} ({_seed_fold(j)}): {j['status']}: {j['error']}" for j in problems
             ]
+        recovered = [
+            j for j in g["jobs"] if j["status"] == "ok" and not j.get("launch_record", True)
+        ]
+        if recovered:
+            lines += ["", "Finished without their launch record:"]
+            lines += [f"- {j['job']} ({_seed_fold(j)}): {j['error']}" for j in recovered]
         lines += [
             "",
             f"Distinct final weight digests: {g['distinct_weights']} of "
@@ -437,6 +626,9 @@ def format_markdown(report: dict[str, Any], figures: dict[int, str]) -> str:
         ]
         if i in figures:
             lines += ["", f"![curves]({figures[i]})"]
+    if unplaced:
+        lines += ["", "## Job directories without their launch record (in no group)", ""]
+        lines += [f"- {j['job']} (seed {j['seed']}): {j['error']}" for j in unplaced]
     return "\n".join(lines) + "\n"
 
 
@@ -510,6 +702,7 @@ def write_report(
     the directory reported on, or for several a new ``reports/<date>_<time>`` here."""
     dirs = [Path(d) for d in ([dirs] if isinstance(dirs, (str, Path)) else dirs)]
     report = build_report(dirs, baseline, metrics)  # reads everything before writing a byte
+    dirs = [Path(d) for d in report["dirs"]]  # each once
     if out is None:
         stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
         out = dirs[0] if len(dirs) == 1 else Path("reports") / stamp

@@ -56,6 +56,7 @@ from repro.files import (
     finite_or_null,
     link_refused,
     open_run_file,
+    parse_json,
     resume_command,
 )
 
@@ -108,7 +109,10 @@ def prepare_run_dir(
         )
     if found is not None and found.step == max_steps and (run_dir / SUMMARY_FILE).is_file():
         try:
-            return found, json.loads((run_dir / SUMMARY_FILE).read_text())
+            summary = parse_json((run_dir / SUMMARY_FILE).read_bytes())
+            if isinstance(summary, dict):
+                return found, summary
+            raise ValueError("not a JSON object")
         except ValueError as err:  # UnicodeDecodeError included: cut short, or overwritten
             log.warning(
                 f"{run_dir / SUMMARY_FILE} is damaged ({type(err).__name__}); finishing the "
@@ -477,7 +481,7 @@ _NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
 def _read_holder(fd: int) -> dict[str, Any]:
     """What a lock file says of its holder ({} while it is being written, or if damaged)."""
     try:
-        holder = json.loads(os.pread(fd, 4096, 0))
+        holder = parse_json(os.pread(fd, 4096, 0))
     except (OSError, ValueError):
         return {}
     return holder if isinstance(holder, dict) else {}
