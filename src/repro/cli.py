@@ -86,6 +86,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     print(text)
     print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     unfinished = report["failed"] + report["incomplete"] + report["not_started"]
+    unfinished += len(report["unplaced"])  # job directories without a launch record
     return 0 if unfinished == 0 else 1
 
 
@@ -97,9 +98,12 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     from repro.compare import compare_dirs
     from repro.config import find_conf_dir
     from repro.files import SUMMARY_FILE
+    from repro.trust import check_received
 
     job = Path(args.job_dir)
     overrides = launch_overrides(job, "a job directory of a sweep")
+    # before train.py starts: a received job's record must not run code (docs/trust.md)
+    check_received(overrides, _launch_record(job), trust=args.trust, loaders=args.trust_loader)
     stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     out = Path(args.out) if args.out else job / "rerun" / stamp
     if out.exists() and any(out.iterdir()):
@@ -134,6 +138,8 @@ def cmd_confirm(args: argparse.Namespace) -> int:
         Path(args.out) if args.out else None,
         args.overrides,
         log=lambda m: print(m, file=sys.stderr, flush=True),
+        trust=args.trust,
+        trust_loaders=args.trust_loader,
     )
     print(text)
     print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
@@ -167,12 +173,23 @@ def launch_overrides(run_dir: Path, what: str = "the directory of a run") -> lis
     ]
 
 
-def _run_config(run_dir: Path, overrides: list[str]):
-    """A run's config, composed again from its launch's overrides (``.hydra/overrides.yaml``,
-    as ``repro rerun`` does) plus ``overrides``."""
-    from repro.config import compose
+def _launch_record(run_dir: Path) -> Path:
+    return run_dir / ".hydra" / "overrides.yaml"
 
-    return compose([*launch_overrides(run_dir), *overrides])
+
+def _run_config(
+    run_dir: Path, overrides: list[str], trust: bool = False, loaders: list[str] | None = None
+):
+    """A run's config, composed again from its launch's overrides (``.hydra/overrides.yaml``,
+    as ``repro rerun`` does) plus ``overrides``, once :func:`repro.trust.check_received`
+    has found nothing in it that would run code the user has not trusted (``trust``,
+    ``loaders``: ``--trust``, ``--trust-loader``)."""
+    from repro.config import compose
+    from repro.trust import check_received
+
+    received = launch_overrides(run_dir)
+    check_received(received, _launch_record(run_dir), overrides, trust=trust, loaders=loaders or [])
+    return compose([*received, *overrides])
 
 
 def _prepared(args: argparse.Namespace):
@@ -181,7 +198,7 @@ def _prepared(args: argparse.Namespace):
     from repro.determinism import apply_determinism
     from repro.process_env import pin_process_environment
 
-    cfg = _run_config(Path(args.run_dir), args.overrides)
+    cfg = _run_config(Path(args.run_dir), args.overrides, args.trust, args.trust_loader)
     pin_process_environment(cfg.determinism)  # strict: re-executes once, as train.py does
     device = resolve_device(str(cfg.device))
     apply_determinism(cfg, device)
@@ -277,6 +294,26 @@ def _doc(func) -> str:
     return (func.__doc__ or "").replace("%", "%%")
 
 
+def _add_trust_options(p: argparse.ArgumentParser) -> None:
+    """``--trust`` and ``--trust-loader``: what a received run directory may run (docs/trust.md)."""
+    p.add_argument(
+        "--trust",
+        action="store_true",
+        help="build what the run's .hydra/overrides.yaml names although it is not in this "
+        "checkout's src/ nor in the listed libraries (docs/trust.md): only for a run you wrote "
+        "or whose sender you trust",
+    )
+    p.add_argument(
+        "--trust-loader",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="allow this loader that can run the code a file holds (torch.load without "
+        "weights_only=true, numpy.load with allow_pickle, pickle.*, ...), refused even with "
+        "--trust unless named (repeatable)",
+    )
+
+
 def _add_sweep_commands(sub: argparse._SubParsersAction) -> None:
     """``repro report`` and ``repro confirm``: seed sweeps, comparisons, searches."""
     p = sub.add_parser("report", help=_doc(cmd_report), description=cmd_report.__doc__)
@@ -315,6 +352,7 @@ def _add_sweep_commands(sub: argparse._SubParsersAction) -> None:
         nargs="*",
         help="added to every run, e.g. hydra/launcher=parallel (after --)",
     )
+    _add_trust_options(p)
     p.set_defaults(func=cmd_confirm)
 
 
@@ -358,6 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rerun", help=_doc(cmd_rerun), description=cmd_rerun.__doc__)
     p.add_argument("job_dir", help="one job's directory inside a sweep directory")
     p.add_argument("--out", help="run directory for the re-run (default JOB_DIR/rerun/<time>)")
+    _add_trust_options(p)
     p.set_defaults(func=cmd_rerun)
     for name, func in (("evaluate", cmd_evaluate), ("predict", cmd_predict)):
         p = sub.add_parser(name, help=_doc(func), description=func.__doc__)
@@ -403,6 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
                 action="store_true",
                 help="segmentation: also <file>.overlay.png, the image tinted by its classes",
             )
+        _add_trust_options(p)
         p.set_defaults(func=func)
     p = sub.add_parser("new", help=_doc(cmd_new), description=cmd_new.__doc__)
     p.add_argument("name", nargs="?", help="the project's name: a lowercase identifier (mylab)")

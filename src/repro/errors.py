@@ -40,6 +40,11 @@ class DataError(ReproError):
     """A dataset that cannot be read or built."""
 
 
+class Untrusted(ReproError):
+    """A received run's config that would run code the user has not trusted
+    (``repro.trust``, docs/trust.md)."""
+
+
 class FromRank0(ReproError):
     """Raised on ranks > 0 of a torchrun for an error that rank 0 met and reported."""
 

@@ -25,6 +25,7 @@ from repro.config import RUN_CONTROL, SEARCH_CONTROL, find_conf_dir
 from repro.errors import ReproError
 from repro.files import hydra_quoted
 from repro.report import Job, as_json, find_jobs, load_yaml, override_key, write_report
+from repro.trust import check_received
 
 
 @dataclass
@@ -141,10 +142,14 @@ def confirm(
     out: Path | None = None,
     extra: list[str] | None = None,
     log: Callable[[str], None] = print,
+    trust: bool = False,
+    trust_loaders: list[str] | None = None,
 ) -> tuple[dict[str, Any], str, list[Path]]:
     """Re-run the ``top`` trials of ``sweep_dir`` over ``seeds`` fresh seeds (one sweep a
     trial, ``out/trial-<rank>``, with ``extra`` overrides such as ``hydra/launcher=parallel``)
-    and write their report to ``out``: each compared with rank 1, seed by seed."""
+    and write their report to ``out``: each compared with rank 1, seed by seed. A trial's
+    overrides are checked first (:func:`repro.trust.check_received`; ``trust``,
+    ``trust_loaders``: ``--trust``, ``--trust-loader``): a received sweep runs no code."""
     if top < 2:
         raise ReproError(f"--top {top}: give 2 or more (the trials to compare).")
     if seeds < 2:
@@ -153,6 +158,9 @@ def confirm(
     trials, used, headline = top_trials(sweep_dir, top)
     if len(trials) < 2:
         raise ReproError(f"{sweep_dir}: one distinct config finished; nothing to compare it with.")
+    for t in trials:  # before anything is composed and built from them, or launched
+        record = t.job.dir / ".hydra" / "overrides.yaml"
+        check_received(t.overrides, record, extra or [], trust=trust, loaders=trust_loaders or [])
     for t in trials:
         check_the_config_repeats(t)
     chosen = fresh_seeds(used, seeds)
