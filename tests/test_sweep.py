@@ -506,3 +506,10 @@ def test_a_finished_job_without_its_launch_record_is_listed_as_finished(tmp_path
     assert "- 1_seed=1 (seed 1): its launch record (.hydra/) is gone: its overrides" in text
     ((unplaced),) = report["unplaced"]
     assert unplaced["job"] == "9_seed=7" and unplaced["error"].startswith("finished; its launch")
+    # every planned job finished, and one directory in no group: the report is not all yes
+    from repro.cli import main
+
+    other = fake_sweep(tmp_path / "other", [(0, 0.5, 1.0), (1, 0.6, 0.9)], planned=[0, 1])
+    assert main(["report", str(other), "--out", str(tmp_path / "o1")]) == 0
+    shutil.copytree(sweep / "9_seed=7", other / "9_seed=7")
+    assert main(["report", str(other), "--out", str(tmp_path / "o2")]) == 1
