@@ -6,6 +6,7 @@ strict mode's re-execution happens (``repro.process_env``), before torch is load
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import traceback
@@ -17,7 +18,14 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from repro.config import check_overrides
-from repro.errors import INTERRUPTED_EXIT_CODE, Preempted, ReproError, exit_with, report_error
+from repro.errors import (
+    INTERRUPTED_EXIT_CODE,
+    JobFailed,
+    Preempted,
+    ReproError,
+    exit_with,
+    report_error,
+)
 from repro.files import ERROR_FILE, LAUNCH_DIR, LOG_FILE, open_run_file, resume_command
 from repro.process_env import under_torchrun
 from repro.signals import arm as arm_preemption
@@ -106,7 +114,12 @@ def main(cfg: DictConfig) -> float:
             text = json.dumps(record, indent=2) + "\n"
             atomic_write(run_dir / ERROR_FILE, lambda f: f.write(text.encode()))
         print(f"error: job {hydra_cfg.job.num} ({run_dir.name}): {err}", file=sys.stderr)
-        raise
+        # the sweep goes on; it ends with this line, not a second copy of the error (its
+        # traceback is in the job's error.json)
+        raise JobFailed(
+            f"a job of the sweep failed ({run_dir.name}: above); its other jobs ran: "
+            f"repro report {shlex.quote(str(run_dir.parent))} lists them all"
+        ) from None
     shutdown()  # leave the process group (torchrun)
     # what a sweeper (Optuna, Ax) optimises; a run finished before summaries named it: accuracy
     return summary.get(summary.get("headline", "val_accuracy"), float("nan"))

@@ -69,3 +69,31 @@ def test_output_into_a_closed_pipe_ends_quietly(traced_runs):
     proc.wait(timeout=60)
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
     assert err == "" and proc.returncode == -signal.SIGPIPE  # as `yes | head` ends: 141
+
+
+@pytest.mark.parametrize(
+    "argv, overrides",
+    [
+        (["predict", "R", "IMGS", "--out", "F", "device=cpu"], ["device=cpu"]),
+        (["predict", "R", "IMGS", "device=cpu", "--out", "F", "x=1"], ["device=cpu", "x=1"]),
+        (["evaluate", "R", "--split", "val", "device=cpu"], ["device=cpu"]),
+        (["evaluate", "R", "device=cpu", "--", "x=1"], ["device=cpu", "x=1"]),
+    ],
+)
+def test_overrides_go_before_or_after_the_options(argv, overrides, monkeypatch):
+    import repro.cli
+
+    seen = {}
+    for name in ("cmd_predict", "cmd_evaluate"):
+        monkeypatch.setattr(repro.cli, name, lambda args: seen.update(vars(args)) or 0)
+    assert repro.cli.main(argv) == 0
+    assert seen["run_dir"] == "R" and seen["overrides"] == overrides
+
+
+def test_an_unknown_option_is_still_a_usage_error(capsys):
+    from repro.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["evaluate", "R", "device=cpu", "--nope"])
+    assert stop.value.code == 2
+    assert "unrecognized arguments: --nope" in capsys.readouterr().err

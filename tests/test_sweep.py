@@ -92,6 +92,42 @@ def test_a_failed_job_is_reported_and_the_others_still_are(tmp_path):
     assert "| 1_seed=1 | 1 | **failed** |" in out.stdout
     assert "this model refuses seed 1" in out.stdout
     assert "(Student t, n=2, df=1, t=12.706)" in out.stdout
+    # the job's one line, then the sweep's: no second copy, no Hydra lines about it
+    lines = proc.stderr.strip().splitlines()
+    assert sum("this model refuses seed 1" in line for line in lines) == 1, proc.stderr[-2000:]
+    assert lines[-1] == (
+        f"error: a job of the sweep failed (1_seed=1: above); its other jobs ran: "
+        f"repro report {sweep_dir.resolve()} lists them all"
+    ), lines[-3:]
+    assert "Error executing job" not in proc.stderr and "HYDRA_FULL_ERROR" not in proc.stderr
+
+
+@pytest.mark.parametrize("basic", [True, False])
+def test_a_failed_job_that_said_why_gets_no_lines_from_hydra(basic, monkeypatch, capsys):
+    """Hydra's sweepers read a job's result through JobReturn.return_value, which writes
+    "Error executing job with overrides" for a failed one; train.py's JobFailed (the job has
+    said why) skips that line, and ends a basic sweep with its own one line."""
+    from hydra.core.utils import JobReturn, JobStatus
+
+    from repro.callbacks import quiet_reported_failures
+    from repro.errors import JobFailed
+
+    monkeypatch.setattr(JobReturn, "return_value", JobReturn.__dict__["return_value"])
+    quiet_reported_failures(basic)
+    failed = JobReturn(overrides=["seed=1"], status=JobStatus.FAILED)
+    failed.return_value = JobFailed("a job of the sweep failed (1_seed=1: above)")
+    with pytest.raises(SystemExit if basic else JobFailed):
+        _ = failed.return_value
+    err = capsys.readouterr().err
+    assert err == ("error: a job of the sweep failed (1_seed=1: above)\n" if basic else "")
+    other = JobReturn(overrides=["seed=2"], status=JobStatus.FAILED)
+    other.return_value = ValueError("not reported by the job")  # Hydra's behaviour, kept
+    with pytest.raises(ValueError):
+        _ = other.return_value
+    assert capsys.readouterr().err.startswith("Error executing job with overrides: ['seed=2']")
+    done = JobReturn(overrides=["seed=3"], status=JobStatus.COMPLETED)
+    done.return_value = 0.5
+    assert done.return_value == 0.5
 
 
 @pytest.fixture(scope="module")

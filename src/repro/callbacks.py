@@ -19,7 +19,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from repro.config import validate, validate_process_settings
-from repro.errors import ConfigError, ReproError, exit_with
+from repro.errors import ConfigError, JobFailed, ReproError, exit_with
 from repro.process_env import pin_process_environment, under_torchrun
 
 
@@ -30,7 +30,7 @@ def validate_sweep_jobs(config: DictConfig) -> None:
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    if not str(config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper"):
+    if not _basic_sweeper(config):
         return  # other sweepers choose their jobs as they go
     loader = GlobalHydra.instance().config_loader()
     parser = OverridesParser.create(config_loader=loader)
@@ -43,6 +43,10 @@ def validate_sweep_jobs(config: DictConfig) -> None:
                 raise ConfigError(f"{err} (in the sweep job {' '.join(job)})") from None
 
 
+def _basic_sweeper(config: DictConfig) -> bool:
+    return str(config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper")
+
+
 def make_output_dir(path: str, key: str) -> None:
     """Create the run's (or sweep's) directory, as Hydra is about to: a read-only
     filesystem, a path under /proc or one longer than the OS allows is then one line naming
@@ -53,6 +57,36 @@ def make_output_dir(path: str, key: str) -> None:
         raise ConfigError(
             f"config error: {key}={path}: cannot be created ({err.strerror}); choose another {key}."
         ) from None
+
+
+_HYDRAS: dict[str, Any] = {}  # Hydra's own JobReturn.return_value, before it is replaced
+
+
+def quiet_reported_failures(basic_sweeper: bool) -> None:
+    """Hydra's sweepers read each job's result through ``JobReturn.return_value``, which for a
+    failed job writes "Error executing job with overrides: [...]" before raising its error,
+    and Hydra then ends on that error again and a hint about ``HYDRA_FULL_ERROR``. A job of
+    this template that fails has already said why in one line (``train.py``) and raises
+    :class:`~repro.errors.JobFailed`: for that error alone the getter skips the extra line;
+    under the basic sweeper (and its joblib and submitit launchers), which reads the results
+    once every job of the batch has run and stops at the first failed one, it ends the sweep
+    with the error's one line (exit status 1). Other sweepers (Optuna's counts failures
+    against its ``max_failure_rate``) get the error to handle. Any other failure keeps
+    Hydra's behaviour."""
+    from hydra.core.utils import JobReturn, JobStatus
+
+    hydras = _HYDRAS.setdefault("return_value", JobReturn.__dict__.get("return_value"))
+    if not isinstance(hydras, property):
+        return  # another Hydra than 1.3's: its lines stay
+
+    def return_value(self: JobReturn) -> Any:
+        if self.status == JobStatus.FAILED and isinstance(self._return_value, JobFailed):
+            if basic_sweeper:
+                exit_with(self._return_value)
+            raise self._return_value
+        return hydras.fget(self)
+
+    JobReturn.return_value = property(return_value, hydras.fset)  # type: ignore[method-assign]
 
 
 class PrepareRunCallback(Callback):
@@ -91,5 +125,6 @@ class PrepareRunCallback(Callback):
             validate(config)
             validate_sweep_jobs(config)
             make_output_dir(config.hydra.sweep.dir, "hydra.sweep.dir")
+            quiet_reported_failures(_basic_sweeper(config))
         except ReproError as err:
             exit_with(err)

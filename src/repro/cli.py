@@ -463,7 +463,15 @@ def main(argv: list[str] | None = None) -> int:
     # argparse alone fills a trailing positional list only when no option comes before it
     after = argv[argv.index("--") + 1 :] if "--" in argv else []
     parser = build_parser()
-    args = parser.parse_args(argv[: len(argv) - len(after) - 1] if "--" in argv else argv)
+    args, extra = parser.parse_known_args(
+        argv[: len(argv) - len(after) - 1] if "--" in argv else argv
+    )
+    # overrides after an option (`repro predict RUN IMAGES --out F device=cpu`): argparse
+    # fills a positional list from one run of arguments, so they arrive here
+    if extra and hasattr(args, "overrides") and not any(a.startswith("-") for a in extra):
+        args.overrides = [*(args.overrides or []), *extra]
+    elif extra:
+        parser.error("unrecognized arguments: " + " ".join(extra))
     if after:
         if not hasattr(args, "overrides"):
             parser.error(f"repro {args.command} takes no overrides after --")

@@ -45,6 +45,12 @@ class Untrusted(ReproError):
     (``repro.trust``, docs/trust.md)."""
 
 
+class JobFailed(ReproError):
+    """A sweep's job that failed and said why in one line (``train.py``): its sweep runs its
+    other jobs and ends with this line, without Hydra's own lines about it
+    (:func:`repro.callbacks.quiet_reported_failures`)."""
+
+
 class FromRank0(ReproError):
     """Raised on ranks > 0 of a torchrun for an error that rank 0 met and reported."""
 
