@@ -519,6 +519,33 @@ def test_an_image_above_pillows_pixel_limit_is_one_warning_naming_it(tmp_path, m
     assert len(lines) == 1 and "big.png" in lines[0] and "144 pixels" in lines[0], lines
 
 
+def test_an_exif_orientation_is_named_once_and_the_pixels_are_read_as_stored(
+    tmp_path, monkeypatch, caplog
+):
+    """A phone's JPEG says "rotate 90° clockwise" in its EXIF: the pixels are read as stored
+    (the grid a mask of it was saved on), and the first such file is named in one warning."""
+    Image = pytest.importorskip("PIL.Image")
+    import repro.data.folders as folders
+    from repro.data import read_image
+
+    monkeypatch.setattr(folders, "_warned_oriented", [])
+    stored = np.zeros((4, 6, 3), np.uint8)
+    stored[0, :, 0] = 255  # a red top row, 6 wide
+    for name, orientation in (("a.png", 6), ("b.png", 6), ("plain.png", None)):
+        image = Image.fromarray(stored)
+        exif = Image.Exif()
+        if orientation:
+            exif[0x0112] = orientation
+        image.save(tmp_path / name, exif=exif)
+    with caplog.at_level("WARNING", logger="repro"):
+        pixels = [read_image(tmp_path / n) for n in ("plain.png", "a.png", "b.png")]
+    for p in pixels:
+        assert p.shape == (3, 4, 6) and torch.equal(p, pixels[0])  # as stored, not turned
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1, lines
+    assert "a.png has EXIF orientation 6 (a viewer shows it rotated 90° clockwise)" in lines[0]
+
+
 SMALL_RUN = ["data.train_size=256", "data.val_size=64"]
 
 

@@ -295,6 +295,7 @@ def _pillow_pixels(path: Path, channels: int) -> np.ndarray | None:
             if tiff and not _eight_bit_tiff(im):
                 return None
             _warn_if_large(path, im.width, im.height, Image.MAX_IMAGE_PIXELS)
+            _warn_if_oriented(path, im)
             if im.mode in DEEP_MODES:
                 pixels = np.array(im)
                 if im.mode == "I" and im.format == "PNG":  # a 16-bit PNG as 32-bit integers
@@ -417,6 +418,42 @@ def _warn_if_large(path: Path, width: int, height: int, limit: int | None) -> No
         f"data: image {path} has {width * height} pixels, above Pillow's decompression-bomb "
         f"limit of {limit}; read anyway (PIL.Image.MAX_IMAGE_PIXELS sets the limit)."
     )
+
+
+# EXIF orientation values (tag 0x0112) and what a viewer does to the stored pixels
+ORIENTATIONS = {
+    2: "mirrored",
+    3: "rotated 180°",
+    4: "flipped upside down",
+    5: "transposed",
+    6: "rotated 90° clockwise",
+    7: "transversed",
+    8: "rotated 90° counter-clockwise",
+}
+
+
+def _warn_if_oriented(path: Path, im: Any) -> None:
+    """Once per process (the first such file): an image whose EXIF orientation tag says a
+    viewer shows it turned. Its pixels are read as stored -- as torchvision's and Pillow's
+    readers do, and on the grid a mask of it was saved on -- never as the viewer shows them."""
+    if _warned_oriented:
+        return
+    try:
+        orientation = im.getexif().get(0x0112)
+    except Exception:  # a damaged EXIF block: the pixels are what is read
+        return
+    if orientation not in ORIENTATIONS:
+        return
+    _warned_oriented.append(str(path))
+    log.warning(
+        f"data: image {path} has EXIF orientation {orientation} (a viewer shows it "
+        f"{ORIENTATIONS[orientation]}); its pixels are read as stored, not as shown, and so "
+        "are any others' (docs/segmentation.md): to train on what a viewer shows, save the "
+        "files turned (PIL.ImageOps.exif_transpose), masks with them."
+    )
+
+
+_warned_oriented: list[str] = []
 
 
 def read_mask(
