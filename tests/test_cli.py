@@ -97,3 +97,24 @@ def test_an_unknown_option_is_still_a_usage_error(capsys):
         main(["evaluate", "R", "device=cpu", "--nope"])
     assert stop.value.code == 2
     assert "unrecognized arguments: --nope" in capsys.readouterr().err
+
+
+def test_rerun_passes_its_directory_to_hydra_exactly(tmp_path, monkeypatch):
+    """A re-run's --out with a quote, backslashes and '=' reaches Hydra as that path."""
+    import subprocess
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from repro.cli import main
+
+    job = tmp_path / "0_seed=1"
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text("- seed=1\n")
+    out = tmp_path / "it's a\\ dir=x\\"
+    seen = []
+    monkeypatch.setattr(
+        subprocess, "run", lambda cmd, **kw: seen.append(cmd) or subprocess.CompletedProcess(cmd, 0)
+    )
+    assert main(["rerun", str(job), "--out", str(out)]) == 0
+    last = OverridesParser.create().parse_override(seen[0][-1])
+    assert last.key_or_group == "hydra.run.dir" and last.value() == str(out)

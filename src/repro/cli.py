@@ -97,7 +97,7 @@ def cmd_rerun(args: argparse.Namespace) -> int:
 
     from repro.compare import compare_dirs
     from repro.config import find_conf_dir
-    from repro.files import SUMMARY_FILE
+    from repro.files import SUMMARY_FILE, hydra_quoted
     from repro.trust import check_received
 
     job = Path(args.job_dir)
@@ -109,8 +109,7 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     if out.exists() and any(out.iterdir()):
         raise ReproError(f"{out}: exists and is not empty; give another --out.")
     train_py = find_conf_dir().parent / "train.py"
-    quoted = str(out).replace("\\", "\\\\").replace("'", "\\'")  # Hydra's quoted-value grammar
-    cmd = [sys.executable, str(train_py), *overrides, f"hydra.run.dir='{quoted}'"]
+    cmd = [sys.executable, str(train_py), *overrides, f"hydra.run.dir={hydra_quoted(str(out))}"]
     print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
     # training output to stderr: stdout is the verdict
     proc = subprocess.run(cmd, stdout=sys.stderr)
