@@ -126,6 +126,9 @@ def test_repro_new_refuses_bad_names_before_writing_anything(tmp_path):
         ("class", "is not a valid project name"),
         ("torch", "'torch' is already an importable module here; choose another name"),
         ("on", "is not a valid project name"),  # YAML reads it as true
+        ("nan", "Hydra reads experiment=nan as nan \\(float\\), not the name"),
+        ("inf", "Hydra reads experiment=inf as inf \\(float\\), not the name"),
+        ("a" * 300, "a project name of 300 characters is too long"),
     ):
         with pytest.raises(ReproError, match=message):
             new_project(name, tmp_path)
@@ -137,6 +140,56 @@ def test_repro_new_refuses_bad_names_before_writing_anything(tmp_path):
         new_project(name, tmp_path)
     assert not (tmp_path / "src" / name).exists()
     assert (tmp_path / "conf" / "task" / f"{name}.yaml").read_text() == "mine\n"
+
+
+def test_repro_new_writes_all_its_files_or_none(tmp_path, monkeypatch):
+    """A file that cannot be written (a read-only conf/task/, a full disk) after others were:
+    what this call wrote and the folders it made are removed, what was there is kept."""
+    import builtins
+
+    from repro.errors import ReproError
+    from repro.scaffold import FILES, new_project
+
+    for folder in ("conf/model", "src", "tests"):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "conf" / "model" / "mine.yaml").write_text("mine\n")
+    before = sorted(tmp_path.rglob("*"))
+    name = free_name()
+    calls = []
+
+    def refuse_the_fourth(path, mode="r", *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 4:
+            raise PermissionError(13, "Permission denied", str(path))
+        return builtins.open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr("repro.scaffold.open", refuse_the_fourth, raising=False)
+    with pytest.raises(ReproError) as err:
+        new_project(name, tmp_path)
+    message = str(err.value)
+    assert message.startswith(f"{calls[3]}: cannot be written (Permission denied); nothing was")
+    assert len(message.splitlines()) == 1 and len(FILES) > 4
+    assert sorted(tmp_path.rglob("*")) == before
+    assert (tmp_path / "conf" / "model" / "mine.yaml").read_text() == "mine\n"
+    monkeypatch.undo()
+    assert len(new_project(name, tmp_path)) == len(FILES)  # and it can be run again
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder")
+def test_repro_new_into_a_read_only_folder_writes_nothing(tmp_path):
+    from repro.errors import ReproError
+    from repro.scaffold import new_project
+
+    for folder in ("conf/task", "src", "tests"):
+        (tmp_path / folder).mkdir(parents=True)
+    before = sorted(tmp_path.rglob("*"))
+    (tmp_path / "conf" / "task").chmod(0o555)
+    try:
+        with pytest.raises(ReproError, match=r"conf/task/\w+\.yaml: cannot be written"):
+            new_project(free_name(), tmp_path)
+    finally:
+        (tmp_path / "conf" / "task").chmod(0o755)
+    assert sorted(tmp_path.rglob("*")) == before
 
 
 def test_remove_examples_removes_the_dated_records_once_and_leaves_no_broken_link(tmp_path):

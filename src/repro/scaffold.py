@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import keyword
+import os
 import re
 import shutil
 from pathlib import Path
@@ -208,11 +209,26 @@ YAML_WORDS = {"null", "none", "true", "false", "yes", "no", "on", "off", "y", "n
 
 def check_name(name: str, root: Path) -> None:
     """A new project's name: a lowercase Python identifier that does not shadow a module
-    already importable here (``torch``, ``repro``, a package of the standard library)."""
+    already importable here (``torch``, ``repro``, a package of the standard library), that
+    Hydra's command line and YAML read back as itself (``nan`` and ``inf`` are floats there,
+    ``null`` and ``on`` are not names), and whose files the filesystem can name."""
     if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or keyword.iskeyword(name) or name in YAML_WORDS:
         raise ReproError(
             f"{name!r} is not a valid project name; use a lowercase Python identifier "
             "(letters, digits, _), e.g. mylab."
+        )
+    read = _read_by_hydra(name)
+    if read != name:
+        raise ReproError(
+            f"{name!r} is not a valid project name: Hydra reads experiment={name} as "
+            f"{read!r} ({type(read).__name__}), not the name; choose another, e.g. my{name}."
+        )
+    longest = len(f"test_{name}.py".encode())  # its longest file name, tests/test_NAME.py
+    limit = _name_max(root)
+    if longest > limit:
+        raise ReproError(
+            f"a project name of {len(name)} characters is too long: this filesystem names "
+            f"files of at most {limit} bytes, and tests/test_NAME.py adds 8; choose a shorter one."
         )
     own = (root / "src" / name).exists()
     if not own and importlib.util.find_spec(name) is not None:
@@ -222,9 +238,25 @@ def check_name(name: str, root: Path) -> None:
         )
 
 
+def _read_by_hydra(name: str) -> object:
+    """What ``experiment=NAME`` on Hydra's command line gives as the value."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create().parse_override(f"experiment={name}").value()
+
+
+def _name_max(root: Path) -> int:
+    """The longest file name (bytes) the filesystem of ``root`` allows (255 where unknown)."""
+    try:
+        return int(os.pathconf(root, "PC_NAME_MAX"))
+    except (OSError, ValueError, AttributeError):
+        return 255
+
+
 def new_project(name: str, root: Path) -> list[Path]:
     """Write the project's files under ``root`` (the checkout: ``conf/``, ``src/``,
-    ``tests/``); refuse, writing nothing, when any of them exists. Returns the paths
+    ``tests/``): all of them or, when any exists or one cannot be written, none (what this
+    call created is removed; nothing that was there is touched). Returns the paths
     written."""
     check_name(name, root)
     for folder in ("conf", "src", "tests"):
@@ -239,12 +271,30 @@ def new_project(name: str, root: Path) -> list[Path]:
             f"{existing[0]} exists; nothing was written (choose another name, or move "
             "the files away)."
         )
-    written = []
-    for path, text in files.items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "x") as f:  # never over a file that appeared meanwhile
-            f.write(text)
-        written.append(path)
+    written: list[Path] = []
+    made: list[Path] = []  # the folders this call created, outermost first
+    path = root
+    try:
+        for path, text in files.items():
+            missing = [p for p in (path.parent, *path.parent.parents) if not p.exists()]
+            for folder in reversed(missing):
+                folder.mkdir()
+                made.append(folder)
+            with open(path, "x") as f:  # never over a file that appeared meanwhile
+                written.append(path)
+                f.write(text)
+    except OSError as err:
+        for done in reversed(written):
+            done.unlink(missing_ok=True)
+        for folder in reversed(made):
+            try:
+                folder.rmdir()
+            except OSError:
+                pass  # something else was put there meanwhile: left as it is
+        raise ReproError(
+            f"{path}: cannot be written ({err.strerror or err}); nothing was written: make "
+            f"{path.parent} writable (or move what is there away) and run repro new again."
+        ) from None
     return written
 
 
