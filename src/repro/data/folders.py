@@ -295,13 +295,14 @@ def _pillow_pixels(path: Path, channels: int) -> np.ndarray | None:
             if tiff and not _eight_bit_tiff(im):
                 return None
             _warn_if_large(path, im.width, im.height, Image.MAX_IMAGE_PIXELS)
+            sixteen = any(";16" in str(tile[3]) for tile in im.tile)  # before EXIF loads it
             _warn_if_oriented(path, im)
             if im.mode in DEEP_MODES:
                 pixels = np.array(im)
                 if im.mode == "I" and im.format == "PNG":  # a 16-bit PNG as 32-bit integers
                     pixels = pixels.astype(np.uint16)
                 return _channels_first(pixels, path, channels, "YX")
-            if any(";16" in str(tile[3]) for tile in im.tile):
+            if sixteen:
                 raise DataError(
                     f"data: image {path} has 16 bits a channel in a mode ({im.mode}) that "
                     "Pillow reads as 8; save it as a 16-bit TIFF or .npy to keep its depth."
