@@ -125,6 +125,7 @@ def test_repro_new_refuses_bad_names_before_writing_anything(tmp_path):
         ("My-Lab", "is not a valid project name; use a lowercase Python identifier"),
         ("class", "is not a valid project name"),
         ("torch", "'torch' is already an importable module here; choose another name"),
+        ("winreg", "'winreg' is a module of Python's standard library"),  # Windows only
         ("on", "is not a valid project name"),  # YAML reads it as true
         ("nan", "Hydra reads experiment=nan as nan \\(float\\), not the name"),
         ("inf", "Hydra reads experiment=inf as inf \\(float\\), not the name"),
@@ -140,6 +141,34 @@ def test_repro_new_refuses_bad_names_before_writing_anything(tmp_path):
         new_project(name, tmp_path)
     assert not (tmp_path / "src" / name).exists()
     assert (tmp_path / "conf" / "task" / f"{name}.yaml").read_text() == "mine\n"
+
+
+def test_repro_new_refuses_a_name_a_module_beside_train_py_takes(tmp_path):
+    """`python train.py` puts the checkout's folder first on the path: a project named as a
+    script there (train.py itself, or one of the fork's own) could not be imported."""
+    from repro.errors import ReproError
+    from repro.scaffold import new_project
+
+    for folder in ("conf", "src", "tests"):
+        (tmp_path / folder).mkdir()
+    name = free_name()
+    (tmp_path / f"{name}.py").write_text("")
+    with pytest.raises(ReproError, match=f"{name}.py is what `import {name}` finds when train"):
+        new_project(name, tmp_path)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["conf", f"{name}.py", "src", "tests"]
+
+
+def test_repro_new_refusals_are_one_line_and_exit_status_2(tmp_path, monkeypatch, capsys):
+    from repro.cli import main
+
+    for folder in ("conf", "src", "tests"):
+        (tmp_path / folder).mkdir()
+    monkeypatch.setattr("repro.config.find_conf_dir", lambda: tmp_path / "conf")
+    for name in ("nan", "a" * 300, "winreg"):
+        assert main(["new", name]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith("repro new: ") and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["conf", "src", "tests"]
 
 
 def test_repro_new_writes_all_its_files_or_none(tmp_path, monkeypatch):
@@ -173,6 +202,33 @@ def test_repro_new_writes_all_its_files_or_none(tmp_path, monkeypatch):
     assert (tmp_path / "conf" / "model" / "mine.yaml").read_text() == "mine\n"
     monkeypatch.undo()
     assert len(new_project(name, tmp_path)) == len(FILES)  # and it can be run again
+
+
+def test_repro_new_names_the_folder_it_could_not_make(tmp_path, monkeypatch):
+    """A read-only conf/ (conf/model/ cannot be made) after src/NAME/ was written: that is
+    removed, and the line names conf/model and the folder to make writable."""
+    from pathlib import Path
+
+    from repro.errors import ReproError
+    from repro.scaffold import new_project
+
+    for folder in ("conf", "src", "tests"):
+        (tmp_path / folder).mkdir()
+    mkdir, refused = Path.mkdir, tmp_path / "conf" / "model"
+
+    def refuse_conf_model(self, *args, **kwargs):
+        if self == refused:
+            raise PermissionError(13, "Permission denied", str(self))
+        return mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", refuse_conf_model)
+    with pytest.raises(ReproError) as err:
+        new_project(free_name(), tmp_path)
+    assert str(err.value).startswith(
+        f"{refused}: cannot be written (Permission denied); nothing was written: make "
+        f"{tmp_path / 'conf'} writable"
+    )
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["conf", "src", "tests"]
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder")

@@ -18,6 +18,7 @@ import keyword
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 from repro.errors import ReproError
@@ -209,9 +210,10 @@ YAML_WORDS = {"null", "none", "true", "false", "yes", "no", "on", "off", "y", "n
 
 def check_name(name: str, root: Path) -> None:
     """A new project's name: a lowercase Python identifier that does not shadow a module
-    already importable here (``torch``, ``repro``, a package of the standard library), that
-    Hydra's command line and YAML read back as itself (``nan`` and ``inf`` are floats there,
-    ``null`` and ``on`` are not names), and whose files the filesystem can name."""
+    (``torch``, ``repro``, a module of the standard library on any system, a module beside
+    ``train.py`` in the checkout), that Hydra's command line and YAML read back as itself
+    (``nan`` and ``inf`` are floats there, ``null`` and ``on`` are not names), and whose
+    files the filesystem can name."""
     if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or keyword.iskeyword(name) or name in YAML_WORDS:
         raise ReproError(
             f"{name!r} is not a valid project name; use a lowercase Python identifier "
@@ -229,6 +231,17 @@ def check_name(name: str, root: Path) -> None:
         raise ReproError(
             f"a project name of {len(name)} characters is too long: this filesystem names "
             f"files of at most {limit} bytes, and tests/test_NAME.py adds 8; choose a shorter one."
+        )
+    if name in sys.stdlib_module_names:  # winreg too, which only Windows can import
+        raise ReproError(
+            f"{name!r} is a module of Python's standard library; choose another name, or "
+            f"`import {name}` would find that one instead of yours."
+        )
+    beside = [p for p in (root / f"{name}.py", root / name / "__init__.py") if p.is_file()]
+    if beside:  # `python train.py` puts the checkout's folder first on the path
+        raise ReproError(
+            f"{beside[0]} is what `import {name}` finds when train.py runs, not src/{name}/; "
+            "choose another name."
         )
     own = (root / "src" / name).exists()
     if not own and importlib.util.find_spec(name) is not None:
@@ -284,6 +297,7 @@ def new_project(name: str, root: Path) -> list[Path]:
                 written.append(path)
                 f.write(text)
     except OSError as err:
+        path = Path(err.filename) if err.filename else path  # a folder it could not make
         for done in reversed(written):
             done.unlink(missing_ok=True)
         for folder in reversed(made):
