@@ -161,8 +161,7 @@ def _consistent(
     refuse_foreign(pipeline, which)
     saved = [(image.clone(), _copy(target)) for _, image, target in samples]
     ref = _outputs(pipeline, samples, which)
-    with shifted_clock(CLOCK_SHIFT):
-        other = _outputs(make(), samples[::-1], which, reverse=True)
+    other = _outputs(make(), samples[::-1], which, reverse=True, shift=CLOCK_SHIFT)
     for (index, image, target), before in zip(samples, saved, strict=True):
         if not _same((image, target), before):
             raise ConfigError(
@@ -182,6 +181,14 @@ def _outputs(
     which: str,
     reverse: bool = False,
     keys: int = KEYS,
+    shift: int = 0,
+) -> dict[tuple[int, int], Any]:
+    with shifted_clock(shift):  # every pass on one clock: a second's tick is no cause
+        return _outputs_at(pipeline, samples, which, reverse, keys)
+
+
+def _outputs_at(
+    pipeline: KeyedPipeline, samples: list[Sample], which: str, reverse: bool, keys: int
 ) -> dict[tuple[int, int], Any]:
     out = {}
     for index, image, target in samples:
@@ -222,9 +229,7 @@ def _why(make: Make, samples: list[Sample], which: str, ref: dict) -> str:
             "makes anew"
         )
     else:
-        with shifted_clock(CLOCK_SHIFT):
-            clock = _differs(make, samples, ref, which)
-        if clock:
+        if _differs(make, samples, ref, which, shift=CLOCK_SHIFT):
             causes.append("reads the clock")
         if _differs(make, samples[::-1], ref, which, reverse=True):
             causes.append(
@@ -241,9 +246,14 @@ def _why(make: Make, samples: list[Sample], which: str, ref: dict) -> str:
 
 
 def _differs(
-    make: Make, samples: list[Sample], ref: dict, which: str, reverse: bool = False
+    make: Make,
+    samples: list[Sample],
+    ref: dict,
+    which: str,
+    reverse: bool = False,
+    shift: int = 0,
 ) -> bool:
-    other = _outputs(make(), samples, which, reverse=reverse)
+    other = _outputs(make(), samples, which, reverse=reverse, shift=shift)
     return any(not _same(ref[k], other[k]) for k in ref)
 
 
@@ -262,8 +272,7 @@ def _culprit(make: Make, samples: list[Sample], which: str) -> str | None:
 
         try:
             ref = _outputs(part(), samples, which)
-            with shifted_clock(CLOCK_SHIFT):
-                other = _outputs(part(), samples[::-1], which, reverse=True)
+            other = _outputs(part(), samples[::-1], which, reverse=True, shift=CLOCK_SHIFT)
         except ReproError:  # a part that cannot run alone on this input: name the whole
             return None
         if any(not _same(ref[k], other[k]) for k in ref):
@@ -276,13 +285,16 @@ def _culprit(make: Make, samples: list[Sample], which: str) -> str | None:
 def shifted_clock(seconds: int) -> Iterator[None]:
     """Inside: ``time.time``/``monotonic``/``perf_counter`` (and their ``_ns``) and
     ``datetime.datetime.now``/``utcnow``/``today``, as a transform reaches them through
-    their modules, ``seconds`` later."""
+    their modules, ``seconds`` later. The wall clock starts each time at the same whole
+    second (:data:`_EPOCH`, plus ``seconds``) and runs from there: passes begun at other
+    moments read one clock, so a second ticking between them is not taken for a cause."""
     names = ("time", "monotonic", "perf_counter")
     real = {n: getattr(time, n) for n in names} | {
         f"{n}_ns": getattr(time, f"{n}_ns") for n in names
     }
     real_datetime = datetime.datetime
-    delta = datetime.timedelta(seconds=seconds)
+    wall = _EPOCH + seconds - real["time"]()  # what the wall clock is moved by
+    delta = datetime.timedelta(seconds=wall)
 
     class Later(real_datetime):
         @classmethod
@@ -298,7 +310,8 @@ def shifted_clock(seconds: int) -> Iterator[None]:
             return real_datetime.today() + delta
 
     for n, f in real.items():
-        shift = seconds * 1_000_000_000 if n.endswith("_ns") else seconds
+        shift = wall if n.startswith("time") else seconds
+        shift = int(shift * 1_000_000_000) if n.endswith("_ns") else shift
         setattr(time, n, lambda f=f, shift=shift: f() + shift)
     datetime.datetime = Later
     try:
@@ -307,6 +320,10 @@ def shifted_clock(seconds: int) -> Iterator[None]:
         for n, f in real.items():
             setattr(time, n, f)
         datetime.datetime = real_datetime
+
+
+# the whole second every pass's wall clock starts at (shifted_clock)
+_EPOCH = float(int(time.time()))
 
 
 def _shapes(
