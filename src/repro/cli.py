@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from repro.errors import ReproError
+from repro.files import OVERRIDES_FILE
 
 
 def _checkpoint_path(path: Path, name: str = "checkpoint.pt") -> Path:
@@ -103,7 +104,7 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     job = Path(args.job_dir)
     overrides = launch_overrides(job, "a job directory of a sweep")
     # before train.py starts: a received job's record must not run code (docs/trust.md)
-    check_received(overrides, _launch_record(job), trust=args.trust, loaders=args.trust_loader)
+    check_received(overrides, job / OVERRIDES_FILE, trust=args.trust, loaders=args.trust_loader)
     stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     out = Path(args.out) if args.out else job / "rerun" / stamp
     if out.exists() and any(out.iterdir()):
@@ -153,7 +154,7 @@ def launch_overrides(run_dir: Path, what: str = "the directory of a run") -> lis
     from repro.config import RUN_CONTROL, SEARCH_CONTROL
     from repro.report import load_yaml, override_key
 
-    launch = run_dir / ".hydra" / "overrides.yaml"
+    launch = run_dir / OVERRIDES_FILE
     if not launch.is_file():
         raise ReproError(f"{run_dir}: no .hydra/overrides.yaml; give {what}.")
     overrides = load_yaml(launch, "the run's record of its launch is damaged: restore it")
@@ -172,10 +173,6 @@ def launch_overrides(run_dir: Path, what: str = "the directory of a run") -> lis
     ]
 
 
-def _launch_record(run_dir: Path) -> Path:
-    return run_dir / ".hydra" / "overrides.yaml"
-
-
 def _run_config(
     run_dir: Path, overrides: list[str], trust: bool = False, loaders: list[str] | None = None
 ):
@@ -187,7 +184,9 @@ def _run_config(
     from repro.trust import check_received
 
     received = launch_overrides(run_dir)
-    check_received(received, _launch_record(run_dir), overrides, trust=trust, loaders=loaders or [])
+    check_received(
+        received, run_dir / OVERRIDES_FILE, overrides, trust=trust, loaders=loaders or []
+    )
     return compose([*received, *overrides])
 
 

@@ -30,6 +30,9 @@ BEST_FILE = "best.pt"  # repro.checkpoint: the checkpoint of the best evaluation
 LOGGERS_FILE = "loggers.json"  # repro.loggers: the ids that let a resume continue an MLflow/W&B run
 LOCK_FILE = ".lock"  # repro.rundir: the run's owner, for its lifetime
 LAUNCH_DIR = ".hydra"  # train.py: the config, Hydra's config and the overrides of the launch
+OVERRIDES_FILE = (
+    f"{LAUNCH_DIR}/overrides.yaml"  # what the launch overrode (a received one: trust.py)
+)
 LOG_FILE = "train.log"  # Hydra's job log (opened at its first line)
 
 

@@ -46,6 +46,7 @@ from repro.files import (
     EVAL_FILE,
     LAUNCH_DIR,
     METRICS_FILE,
+    OVERRIDES_FILE,
     SUMMARY_FILE,
     TRACE_FILE,
     finite_or_null,
@@ -216,7 +217,7 @@ def load_yaml(
 
 def _job(job_dir: Path, num: int, source: int) -> Job | None:
     """The job a directory holds (None: not a run's directory)."""
-    overrides_file = job_dir / ".hydra" / "overrides.yaml"
+    overrides_file = job_dir / OVERRIDES_FILE
     if not overrides_file.is_file():
         return None
     overrides = load_yaml(overrides_file)

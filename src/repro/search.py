@@ -23,7 +23,7 @@ from typing import Any
 from repro.comparisons import seed_order
 from repro.config import RUN_CONTROL, SEARCH_CONTROL, find_conf_dir
 from repro.errors import ReproError
-from repro.files import hydra_quoted
+from repro.files import OVERRIDES_FILE, hydra_quoted
 from repro.report import Job, as_json, find_jobs, load_yaml, override_key, write_report
 from repro.trust import check_received
 
@@ -159,7 +159,7 @@ def confirm(
     if len(trials) < 2:
         raise ReproError(f"{sweep_dir}: one distinct config finished; nothing to compare it with.")
     for t in trials:  # before anything is composed and built from them, or launched
-        record = t.job.dir / ".hydra" / "overrides.yaml"
+        record = t.job.dir / OVERRIDES_FILE
         check_received(t.overrides, record, extra or [], trust=trust, loaders=trust_loaders or [])
     for t in trials:
         check_the_config_repeats(t)
