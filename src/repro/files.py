@@ -30,10 +30,10 @@ BEST_FILE = "best.pt"  # repro.checkpoint: the checkpoint of the best evaluation
 LOGGERS_FILE = "loggers.json"  # repro.loggers: the ids that let a resume continue an MLflow/W&B run
 LOCK_FILE = ".lock"  # repro.rundir: the run's owner, for its lifetime
 LAUNCH_DIR = ".hydra"  # train.py: the config, Hydra's config and the overrides of the launch
-OVERRIDES_FILE = (
-    f"{LAUNCH_DIR}/overrides.yaml"  # what the launch overrode (a received one: trust.py)
-)
+OVERRIDES_FILE = f"{LAUNCH_DIR}/overrides.yaml"  # what the launch overrode (trust.py)
 LOG_FILE = "train.log"  # Hydra's job log (opened at its first line)
+# What only a run of this project leaves: a directory holding one of these is a run.
+RUN_MARKERS = (LAUNCH_DIR, "determinism.json", ENV_FILE, TRACE_FILE, CHECKPOINT_DIR, SUMMARY_FILE)
 
 
 def finite_or_null(obj: Any) -> Any:

@@ -40,15 +40,13 @@ from repro.comparisons import compare_groups, format_comparisons, plot_compariso
 from repro.config import RUN_CONTROL
 from repro.errors import ReproError
 from repro.files import (
-    CHECKPOINT_DIR,
-    ENV_FILE,
     ERROR_FILE,
     EVAL_FILE,
     LAUNCH_DIR,
     METRICS_FILE,
     OVERRIDES_FILE,
+    RUN_MARKERS,
     SUMMARY_FILE,
-    TRACE_FILE,
     finite_or_null,
     parse_json,
 )
@@ -101,8 +99,8 @@ NOT_STARTED = "not started"
 # A job directory whose launch record (.hydra/) is gone and whose overrides the sweep's plan
 # does not give: listed on its own, in no group.
 NO_LAUNCH = "no launch record"
-# What a job's directory holds besides its launch record (repro.rundir.RUN_MARKERS)
-RUN_FILES = (SUMMARY_FILE, ERROR_FILE, TRACE_FILE, ENV_FILE, CHECKPOINT_DIR, "determinism.json")
+# What a job's directory holds besides its launch record
+RUN_FILES = (*(m for m in RUN_MARKERS if m != LAUNCH_DIR), ERROR_FILE)
 
 
 def planned_jobs(sweep_dir: Path) -> list[list[str]] | None:

@@ -48,6 +48,7 @@ from repro.files import (
     LOG_FILE,
     LOGGERS_FILE,
     METRICS_FILE,
+    RUN_MARKERS,
     SUMMARY_FILE,
     TEST_FILE,
     TEST_PER_SAMPLE_FILE,
@@ -270,10 +271,6 @@ RUN_FILES = {
     "wandb",
     "rerun",
 }
-
-
-# What only a run of this project leaves: a directory holding one of these is a run.
-RUN_MARKERS = (LAUNCH_DIR, "determinism.json", ENV_FILE, TRACE_FILE, CHECKPOINT_DIR, SUMMARY_FILE)
 
 
 def _ours(name: str) -> bool:
