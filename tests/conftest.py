@@ -50,12 +50,14 @@ def pytest_configure(config: pytest.Config) -> None:
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
-# The longest files first (worker-seconds on the 2-core machine: 270, 126, 92, 85, 67, 40):
-# `make test` gives each xdist worker whole files, in collection order, so these start at
-# once instead of finishing alone while the other workers idle.
+# The longest files first: `make test` gives each xdist worker whole files, in collection
+# order, so these start at once instead of finishing alone while the other workers idle
+# (test_resume.py is split in two for the same reason: one file of ~490 worker-seconds
+# was the suite's tail on the 2-core machine).
 LONGEST_FIRST = [
     "test_resume.py",
     "test_dist.py",
+    "test_resume_checkpoints.py",
     "test_scripts.py",
     "test_train.py",
     "test_segmentation.py",

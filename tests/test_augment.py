@@ -255,7 +255,11 @@ def test_the_transforms_of_a_composed_pipeline_draw_different_numbers():
 def test_the_shipped_transforms_draw_from_their_key_only():
     image = torch.randint(0, 256, (3, 30, 40), dtype=torch.uint8)
     mask = torch.randint(0, 3, (30, 40), dtype=torch.uint8)
-    for transform in (RandomResizedCrop(16), SegmentationAugment(16)):
+    for transform in (
+        RandomResizedCrop(16),
+        SegmentationAugment(16),
+        SegmentationAugment(16, elastic=2),
+    ):
         pipeline = KeyedPipeline(transform, seed=1)
         a, b = pipeline(image, mask, 0, 4), pipeline(image, mask, 0, 4)
         c = pipeline(image, mask, 0, 5)
@@ -272,5 +276,17 @@ def test_the_shipped_transforms_draw_from_their_key_only():
     fi, fm = KeyedPipeline(flipped, seed=0)(image, mask, 0, 1)
     ri, rm = Resize(16)(image, mask)
     assert torch.equal(fm, rm.flip(-1)) and torch.equal(fi, ri.flip(-1))
+    # elastic 0 is the default's draws and bits; elastic > 0 moves pixels, image and mask
+    plain, bent = SegmentationAugment(16), SegmentationAugment(16, elastic=2.0)
+    a, b = (
+        KeyedPipeline(plain, seed=3)(image, mask, 0, 2),
+        KeyedPipeline(bent, seed=3)(image, mask, 0, 2),
+    )
+    assert not torch.equal(a[0], b[0]) and not torch.equal(a[1], b[1])
+    assert torch.equal(
+        a[0], KeyedPipeline(SegmentationAugment(16, elastic=0), seed=3)(image, mask, 0, 2)[0]
+    )
+    with pytest.raises(ConfigError, match="elastic=-1"):
+        SegmentationAugment(16, elastic=-1)
     centre = CenterResize(16)(image, mask)
     assert centre[0].shape == (3, 16, 16) and centre[1].shape == (16, 16)

@@ -126,8 +126,8 @@ def test_resize_puts_the_mask_on_its_images_grid(samples, size):
     assert float(truth.abs().max()) < 0.1, summary(truth)
 
 
-def segmentation_geometry() -> SegmentationAugment:
-    t = SegmentationAugment(64)
+def segmentation_geometry(elastic: float = 0.0) -> SegmentationAugment:
+    t = SegmentationAugment(64, elastic=elastic)
     t.brightness = t.contrast = 0.0  # only the geometry moves the image
     return t
 
@@ -143,6 +143,8 @@ TRANSFORMS = {
     # (the mean is within bound). That the move samples the mask on the image's grid is
     # checked pixel by pixel below.
     "segmentation": (segmentation_geometry, (0, 1), 0.5),
+    # and deformed elastically (up to 3 px): image and mask by one field, on one grid
+    "segmentation_elastic": (lambda: segmentation_geometry(elastic=3.0), (0, 1), 0.5),
 }
 
 

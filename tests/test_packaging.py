@@ -38,6 +38,7 @@ def test_console_command_and_extras():
         "numpy",
         "hydra-core",
         "omegaconf",
+        "scipy",  # the statistics of repro report
     }
 
 

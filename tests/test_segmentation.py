@@ -6,6 +6,7 @@ The reference run trains once for the module in this process; what must equal it
 in this process too where a process is not the point, else as a user does (train.py)."""
 
 import json
+import math
 import signal
 
 import numpy as np
@@ -407,6 +408,23 @@ def test_summary_and_logs_lead_with_val_dice(reference):
     rows = (reference.dir / "val_per_image.csv").read_text().splitlines()
     assert rows[0].startswith("step,sample,tp_background,fp_background,fn_background")
     assert len(rows) == 1 + 64 and rows[1].startswith("30,0,")  # the last evaluation's
+    # each image's share of the headline (repro report resamples them), from its counts
+    table = [dict(zip(rows[0].split(","), r.split(","), strict=True)) for r in rows[1:]]
+    scored = [c.removeprefix("headline_") for c in rows[0].split(",") if c.startswith("headline")]
+    assert scored == ["disc", "square", "triangle"]  # the background left out, as in val_dice
+    means = []
+    for name in scored:
+        values = []
+        for r in table:
+            tp, fp, fn = (int(r[f"{k}_{name}"]) for k in ("tp", "fp", "fn"))
+            got = float(r[f"headline_{name}"])
+            if 2 * tp + fp + fn == 0:
+                assert math.isnan(got)
+                continue
+            assert got == 2 * tp / (2 * tp + fp + fn)
+            values.append(got)
+        means.append(math.fsum(values) / len(values))
+    assert math.fsum(means) / len(means) == pytest.approx(s["val_dice"], abs=1e-12)
 
 
 def test_dice_rises_well_above_chance(tmp_path):
@@ -474,6 +492,11 @@ def test_a_seed_sweep_reports_the_dice_distribution(tmp_path):
     dice = [json.loads(p.read_text())["val_dice"] for p in sorted(sweep.glob("*/summary.json"))]
     assert len(dice) == 2 and len(set(dice)) == 2  # the seed changes the result ...
     assert "val_dice" in report.stdout and "mean" in report.stdout  # ... and the report says how
+    jobs = json.loads((sweep / "report.json").read_text())["groups"][0]["jobs"]
+    images = [
+        len((sweep / j["job"] / "val_per_image.csv").read_text().splitlines()) - 1 for j in jobs
+    ]
+    assert [j["per_sample"] for j in jobs] == images and images[0] > 0  # scores it can resample
 
 
 @pytest.mark.e2e

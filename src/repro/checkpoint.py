@@ -498,6 +498,7 @@ NOT_EVALUATED = (
     "determinism.nccl_env",
     "determinism.fill_uninitialized_memory",
     "data.in_memory",  # image_folder read up front or per sample: the same bytes (tested)
+    "report",  # how runs are judged (repro.config.ReportConfig)
 )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -83,6 +84,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         Path(args.out) if args.out else None,
         args.baseline,
         args.metric,
+        args.sesoi,
     )
     print(text)
     print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
@@ -140,6 +142,7 @@ def cmd_confirm(args: argparse.Namespace) -> int:
         log=lambda m: print(m, file=sys.stderr, flush=True),
         trust=args.trust,
         trust_loaders=args.trust_loader,
+        sesoi=args.sesoi,
     )
     print(text)
     print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
@@ -332,6 +335,7 @@ def _add_sweep_commands(sub: argparse._SubParsersAction) -> None:
         action="append",
         help="compare this metric too (repeatable; 'all': every metric); the headline always",
     )
+    _add_sesoi_option(p)
     p.add_argument(
         "--out",
         help="where to write report.md/.json and the figures (default: the directory; for "
@@ -345,6 +349,7 @@ def _add_sweep_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top", type=int, default=3, help="trials to re-run, best first (default 3)")
     p.add_argument("--seeds", type=int, default=5, help="fresh seeds a trial (default 5)")
     p.add_argument("--out", help="where (default SWEEP_DIR/confirm_<date>_<time>)")
+    _add_sesoi_option(p)
     p.add_argument(
         "overrides",
         nargs="*",
@@ -352,6 +357,29 @@ def _add_sweep_commands(sub: argparse._SubParsersAction) -> None:
     )
     _add_trust_options(p)
     p.set_defaults(func=cmd_confirm)
+
+
+def _sesoi(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a positive difference of the headline, e.g. 0.01"
+        )
+    return value
+
+
+def _add_sesoi_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--sesoi",
+        type=_sesoi,
+        metavar="DELTA",
+        help="the smallest difference of the headline that matters (e.g. 0.01): the verdict "
+        "becomes better or worse by more than it, equivalent within ±DELTA, or can't tell "
+        "(default: report.sesoi of the baseline's config, if set)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -181,6 +181,18 @@ class PathsConfig:
 
 
 @dataclass
+class ReportConfig:
+    """How ``repro report`` and ``repro confirm`` judge this config's runs (``report.*``):
+    not what a run computes, so not in the config hash, and never a reason to refuse a
+    resume or an evaluation."""
+
+    # the smallest difference of the headline that matters (e.g. 0.01 Dice): verdicts
+    # become better/worse by more than it, equivalent within ±sesoi, or can't tell
+    # (docs/tools.md); null: none given (the report says what the seeds could resolve)
+    sesoi: float | None = None
+
+
+@dataclass
 class TrainConfig:
     seed: int = 0
     device: str = "auto"
@@ -191,6 +203,7 @@ class TrainConfig:
     dist: DistConfig = field(default_factory=DistConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
     # Everything swappable arrives by ``_target_``: any keys, checked against the target's
     # signature in validate() (TARGET_GROUPS).
     model: Any = MISSING
@@ -266,6 +279,9 @@ def validate(cfg: DictConfig) -> None:
     _validate_run(cfg)
     _validate_trainer(cfg.trainer)
     _validate_inference(cfg.inference)
+    sesoi = cfg.report.sesoi
+    if sesoi is not None and not (math.isfinite(sesoi) and sesoi > 0):
+        _fail("report.sesoi", sesoi, "a positive difference of the headline (e.g. 0.01), or null")
     validate_process_settings(cfg)
     for group in TARGET_GROUPS:
         _validate_target(cfg, group)
@@ -906,9 +922,17 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: tree}
 
 
+# Config keys that say how runs are judged, not what they compute: left out of the hash.
+NOT_HASHED = ("report",)
+
+
 def config_hash(cfg: DictConfig) -> str:
-    """SHA-256 of the resolved config (canonical JSON, sorted keys)."""
-    blob = json.dumps(resolved_container(cfg), sort_keys=True, separators=(",", ":"))
+    """SHA-256 of the resolved config (canonical JSON, sorted keys), less
+    :data:`NOT_HASHED`."""
+    container = resolved_container(cfg)
+    for key in NOT_HASHED:
+        container.pop(key, None)
+    blob = json.dumps(container, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

@@ -40,15 +40,20 @@ class Evaluation:
     samples: dict[str, torch.Tensor] | None
     names: list[str]
 
+    # each sample's share of the headline (Task.sample_scores), written after the counts
+    scores: dict[str, torch.Tensor] | None = None
+
     def write_per_sample(self, path: Path, step: int | None = None) -> None:
         """``<split>_per_image.csv``: a row per sample, ``sample`` (its name) then the
-        task's columns (``step`` first when given); atomically replaced."""
+        task's columns and its headline scores (``step`` first when given); atomically
+        replaced."""
         from repro.checkpoint import atomic_write
 
         if self.samples is None:
             return
-        columns = list(self.samples)
-        values = [self.samples[c].tolist() for c in columns]
+        table = {**self.samples, **(self.scores or {})}
+        columns = list(table)
+        values = [table[c].tolist() for c in columns]
         head = ["step"] if step is not None else []
         lines = [",".join([*head, "sample", *columns])]
         for i, name in enumerate(self.names):
@@ -99,7 +104,14 @@ def evaluate_split(
     else:
         metrics = task.metrics(totals)
     check_metrics(task, metrics)
-    return Evaluation(metrics, samples, sample_names(split, n))
+    scores = task.sample_scores(samples) if samples is not None and _scores(task) else None
+    return Evaluation(metrics, samples, sample_names(split, n), scores)
+
+
+def _scores(task: Task) -> bool:
+    """Whether ``task`` gives each sample's share of the headline (a fork's task need not
+    subclass :class:`repro.tasks.Task`)."""
+    return callable(getattr(task, "sample_scores", None))
 
 
 def scored_batches(

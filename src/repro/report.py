@@ -50,6 +50,7 @@ from repro.files import (
     finite_or_null,
     parse_json,
 )
+from repro.sample_records import collapse, read_scores
 from repro.stats import mean_interval
 
 # The headline and metrics of summaries written before tasks recorded them.
@@ -77,6 +78,9 @@ class Job:
     fold: int | None = None  # data.fold of a cross-validated job (data.folds set), else None
     # False: its .hydra/ is gone (overrides: the sweep's plan for its number)
     launch_record: bool = True
+    # a finished job's per-sample headline scores, or why it has none (repro.sample_records)
+    scores: Any = None
+    collapsed: str | None = None  # why a finished job counts as collapsed, if it does
 
     @property
     def metrics(self) -> list[str]:
@@ -427,13 +431,27 @@ def _left_out(ok: list[Job], metric: str) -> list[dict[str, Any]]:
     return out
 
 
+def _read_samples(jobs: list[Job]) -> None:
+    """Each finished job's per-sample headline scores, and whether it collapsed
+    (:mod:`repro.sample_records`)."""
+    for j in jobs:
+        if j.status == "ok":
+            j.scores = read_scores(j.dir, j.summary)
+            j.collapsed = collapse(j.summary, j.scores)
+
+
 def build_report(
-    dirs: Path | list[Path], baseline: str | None = None, metrics: list[str] | None = None
+    dirs: Path | list[Path],
+    baseline: str | None = None,
+    metrics: list[str] | None = None,
+    sesoi: float | None = None,
 ) -> dict[str, Any]:
     """The report of one sweep (or run) directory, or of several compared: the groups, their
     statistics, and each group compared with the ``baseline`` group (:mod:`repro.comparisons`)
-    on the headline metric and ``metrics``."""
+    on the headline metric and ``metrics``; ``sesoi``: the headline's smallest effect of
+    interest."""
     dirs, jobs = _read_once([Path(d) for d in ([dirs] if isinstance(dirs, (str, Path)) else dirs)])
+    _read_samples(jobs)
     unplaced = [j for j in jobs if j.status == NO_LAUNCH]
     jobs = [j for j in jobs if j.status != NO_LAUNCH]
     if not jobs:
@@ -455,6 +473,12 @@ def build_report(
             stats = mean_interval([float(j.summary[m]) for j in ok if _finite(j.summary.get(m))])
             stats["outliers"] = outliers(ok, m, stats)
             stats["left_out"] = _left_out(ok, m)
+            if m == metric_names[0]:  # the headline: runs that learned the trivial answer
+                stats["collapsed"] = [
+                    {"seed": j.seed, "fold": j.fold, "job": j.dir.name, "why": j.collapsed}
+                    for j in ok
+                    if j.collapsed
+                ]
             per_metric[m] = stats
         first = (ok or members)[0].summary
         out_groups.append(
@@ -476,6 +500,12 @@ def build_report(
                         },
                         "rerun": j.rerun_command(),
                         "launch_record": j.launch_record,
+                        "collapsed": j.collapsed,
+                        "per_sample": (
+                            None
+                            if j.scores is None or isinstance(j.scores, str)
+                            else len(j.scores.names)
+                        ),
                     }
                     for j in members
                 ],
@@ -506,7 +536,7 @@ def build_report(
             for j in unplaced
         ],
     }
-    report.update(compare_groups(out_groups, list(groups.values()), baseline, metrics))
+    report.update(compare_groups(out_groups, list(groups.values()), baseline, metrics, sesoi))
     return report
 
 
@@ -538,6 +568,13 @@ def _metric_lines(m: str, s: dict[str, Any]) -> list[str]:
             f"- **{m}**: mean {s['mean']:.4f}, SD {s['sd']:.4f}, min {s['min']:.4f}, "
             f"max {s['max']:.4f}; 95% CI of the mean [{s['ci95'][0]:.4f}, "
             f"{s['ci95'][1]:.4f}] (Student t, n={s['n']}, df={s['df']}, t={s['t']:.3f})"
+        )
+    for x in s.get("collapsed") or []:
+        lines.append(f"  - **collapsed**: {_seed_fold(x)} ({x['job']}): {x['why']}")
+    if s.get("n", 0) >= 2 and s.get("collapsed"):
+        lines.append(
+            f"  - with collapsed seeds, read the median {s['median']:.4f} and the "
+            f"interquartile mean {s['iqm']:.4f}, not the mean"
         )
     for o in s["outliers"]:
         lines.append(
@@ -696,11 +733,12 @@ def write_report(
     out: Path | None = None,
     baseline: str | None = None,
     metrics: list[str] | None = None,
+    sesoi: float | None = None,
 ) -> tuple[dict[str, Any], str, list[Path]]:
     """Build the report and write report.md, report.json (and PNGs) into ``out``: by default
     the directory reported on, or for several a new ``reports/<date>_<time>`` here."""
     dirs = [Path(d) for d in ([dirs] if isinstance(dirs, (str, Path)) else dirs)]
-    report = build_report(dirs, baseline, metrics)  # reads everything before writing a byte
+    report = build_report(dirs, baseline, metrics, sesoi)  # reads everything before writing
     dirs = [Path(d) for d in report["dirs"]]  # each once
     if out is None:
         stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")

@@ -144,10 +144,13 @@ def confirm(
     log: Callable[[str], None] = print,
     trust: bool = False,
     trust_loaders: list[str] | None = None,
+    sesoi: float | None = None,
 ) -> tuple[dict[str, Any], str, list[Path]]:
     """Re-run the ``top`` trials of ``sweep_dir`` over ``seeds`` fresh seeds (one sweep a
     trial, ``out/trial-<rank>``, with ``extra`` overrides such as ``hydra/launcher=parallel``)
-    and write their report to ``out``: each compared with rank 1, seed by seed. A trial's
+    and write their report to ``out``: each compared with rank 1, seed by seed, with the
+    report's verdicts (``sesoi``: the smallest difference that matters, δ); rank 1 is
+    confirmed when it beats every other trial by more than δ. A trial's
     overrides are checked first (:func:`repro.trust.check_received`; ``trust``,
     ``trust_loaders``: ``--trust``, ``--trust-loader``): a received sweep runs no code."""
     if top < 2:
@@ -195,7 +198,7 @@ def confirm(
             dirs[t.rank] = trial_dir
     if not dirs:
         raise ReproError(f"no trial ran (see the errors above); nothing written to {out}.")
-    report, text, written = write_report(list(dirs.values()), out)
+    report, text, written = write_report(list(dirs.values()), out, sesoi=sesoi)
     report["search"] = {
         "sweep_dir": str(sweep_dir),
         "headline": headline,
@@ -213,6 +216,7 @@ def confirm(
         ],
     }
     report["search"]["winner"] = winner(report)
+    report["search"]["confirmation"] = confirmation(report)
     text = summary_text(report, trials) + "\n" + text
     (out / "report.json").write_text(as_json(report))
     (out / "report.md").write_text(text)
@@ -242,6 +246,34 @@ def winner(report: dict[str, Any]) -> dict[str, Any]:
     best = (max if better else min)(m for m, _ in means)
     ranks = sorted(r for m, r in means if m == best)
     return {"rank": ranks[0], "mean": best, "tied": ranks[1:]}
+
+
+def confirmation(report: dict[str, Any]) -> dict[str, Any]:
+    """Whether the search's best-ranked trial that ran is confirmed: better than every other
+    re-run trial (by more than δ where δ is given), by the report's verdicts on the
+    headline; else which trials it is equivalent to, cannot be told apart from, or loses
+    to."""
+    headline = report["search"]["headline"]
+    delta = (report.get("sesoi") or {}).get("delta")
+    by_trial: dict[str, list[str]] = {"equivalent": [], "can't tell": [], "better": []}
+    for c in report.get("comparisons") or []:
+        if c["metric"] != headline:
+            continue
+        kind = c.get("outcome", "can't tell")
+        # the comparison is trial - best: the best is confirmed where the trial is worse
+        if kind == "worse by more than δ" or (kind == "worse" and delta is None):
+            continue
+        if kind.startswith("worse"):
+            by_trial["can't tell"].append(c["group"])  # worse, but maybe by less than δ
+        elif kind in ("equivalent", "same"):
+            by_trial["equivalent"].append(c["group"])
+        elif kind.startswith("better"):
+            by_trial["better"].append(c["group"])
+        else:
+            by_trial["can't tell"].append(c["group"])
+    compared = [c for c in report.get("comparisons") or [] if c["metric"] == headline]
+    confirmed = bool(compared) and not any(by_trial.values())
+    return {"confirmed": confirmed, "baseline": report.get("baseline"), "delta": delta, **by_trial}
 
 
 def summary_text(report: dict[str, Any], trials: list[Trial]) -> str:
@@ -281,5 +313,31 @@ def summary_text(report: dict[str, Any], trials: list[Trial]) -> str:
         ]
         for c in report.get("comparisons") or []:
             if c["metric"] == headline:
-                lines.append(f"- {c['group']} against {c['baseline']}: {c['verdict']}.")
+                lines.append(
+                    f"- {c['group']} against {c['baseline']}: **{c.get('outcome')}**: "
+                    f"{c['verdict']}."
+                )
+        lines += ["", confirmation_text(s.get("confirmation") or {})]
     return "\n".join(lines) + "\n"
+
+
+def confirmation_text(k: dict[str, Any]) -> str:
+    """The confirmation in one paragraph."""
+    if not k:
+        return ""
+    by = f" by more than δ = {k['delta']:g}" if k.get("delta") is not None else ""
+    if k["confirmed"]:
+        return f"**Confirmed**: `{k['baseline']}` is better than every other trial{by}."
+    parts = []
+    for kind, words in (
+        ("better", "does worse than"),
+        ("equivalent", "is equivalent to" if k.get("delta") is not None else "gives the same as"),
+        ("can't tell", "cannot be told apart from"),
+    ):
+        if k.get(kind):
+            parts.append(f"{words} " + ", ".join(f"`{g}`" for g in k[kind]))
+    no_delta = (
+        "" if k.get("delta") is not None
+        else " Give the smallest difference that matters (--sesoi) to test equivalence."
+    )  # fmt: skip
+    return f"**Not confirmed**: `{k['baseline']}` " + "; ".join(parts) + "." + no_delta

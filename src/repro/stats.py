@@ -1,96 +1,64 @@
-"""The statistics of ``repro report``: Student t intervals, paired and Welch t-tests, and
-how many seeds a difference needs -- in plain Python, so the runtime needs no SciPy (the
-tests check every function here against SciPy's on many random inputs).
+"""The statistics of ``repro report`` and ``repro confirm``, on SciPy.
+
+SciPy gives the distributions and the tests (Student's t, the paired and Welch t-tests, the
+sign test, Shapiro-Wilk, the binomial interval). This module keeps what SciPy lacks:
+
+- :func:`two_level`: the **paired two-level bootstrap** -- the seeds both configs ran and
+  the evaluation samples both scored (matched by name), resampled together, folds as
+  strata -- whose standard error, split into its seed and its image parts, gives a t
+  interval (Satterthwaite's degrees of freedom). With the samples held fixed it is the
+  paired t-test exactly.
+- :func:`tost`: equivalence within ±δ (two one-sided tests: the 90% interval inside ±δ).
+- :func:`holm`: Holm's step-down correction for several groups against one baseline.
+- :func:`improvement`: the probability that the group beats the baseline on a seed, with
+  its exact (Clopper-Pearson) interval -- what a collapsed seed cannot swamp.
+- :func:`seeds_needed` and :func:`resolvable`: the seeds a smallest effect needs, and the
+  smallest effect the seeds at hand resolve, at 80% power.
 
 Differences are always ``group - baseline``. Two-sided tests at the 95% level throughout.
+Every bootstrap draws from a generator keyed by a constant: the same runs give the same
+report, bit for bit.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+from scipy import stats as sps
+
 LEVEL = 0.95  # of every interval
-POWER = 0.80  # of :func:`seeds_needed`
-MAX_SEEDS = 10_000  # :func:`seeds_needed` stops counting here
-
-
-def _betacf(a: float, b: float, x: float) -> float:
-    """The continued fraction of the incomplete beta function (modified Lentz)."""
-    tiny = 1e-300
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 10_000):
-        for numerator in (
-            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
-        ):
-            d = 1.0 + numerator * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + numerator / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1.0) < 1e-15:
-            break
-    return h
-
-
-def betainc(a: float, b: float, x: float) -> float:
-    """The regularized incomplete beta function I_x(a, b), for a, b > 0 and 0 <= x <= 1."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    log_front = (
-        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    )
-    if x < (a + 1.0) / (a + b + 2.0):  # the fraction converges fast on this side
-        return math.exp(log_front) * _betacf(a, b, x) / a
-    return 1.0 - math.exp(log_front) * _betacf(b, a, 1.0 - x) / b
-
-
-def t_two_sided_p(t: float, df: float) -> float:
-    """P(|T| >= |t|) for Student's t with ``df`` (> 0, not necessarily whole) degrees of
-    freedom."""
-    if math.isnan(t):
-        return math.nan
-    if math.isinf(t):
-        return 0.0
-    return betainc(df / 2.0, 0.5, df / (df + t * t))
-
-
-def t_cdf(t: float, df: float) -> float:
-    half = 0.5 * t_two_sided_p(t, df)
-    return 1.0 - half if t > 0 else half
+POWER = 0.80  # of seeds_needed and resolvable
+MAX_SEEDS = 10_000  # seeds_needed stops counting here
+ALPHA = 1.0 - LEVEL
+REPLICATES = 2000  # bootstrap replicates of two_level
+SHAPE_MIN = 5  # values shape() needs: fewer say nothing of a distribution's shape
+BOOTSTRAP_KEY = 20211  # the key of two_level's generator: the same input, the same interval
 
 
 def t_quantile(p: float, df: float) -> float:
-    """The ``p`` quantile of Student's t with ``df`` degrees of freedom (bisection on
-    :func:`t_cdf`, to about 1e-12)."""
+    """The ``p`` quantile of Student's t with ``df`` degrees of freedom."""
     if not 0.0 < p < 1.0:
         raise ValueError(f"t_quantile: p={p} is not in (0, 1)")
-    if p < 0.5:
-        return -t_quantile(1.0 - p, df)
-    lo, hi = 0.0, 1.0
-    while t_cdf(hi, df) < p:
-        hi *= 2.0
-    for _ in range(200):
-        mid = (lo + hi) / 2.0
-        if mid in (lo, hi):
-            break
-        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
-    return (lo + hi) / 2.0
+    return float(sps.t.ppf(p, df))
 
 
-def _critical(df: float) -> float:
-    return t_quantile(0.5 + LEVEL / 2.0, df)
+def t_two_sided_p(t: float, df: float) -> float:
+    """P(|T| >= |t|) for Student's t with ``df`` degrees of freedom."""
+    return float(2.0 * sps.t.sf(abs(t), df))
+
+
+def _critical(df: float, level: float = LEVEL) -> float:
+    return t_quantile(0.5 + level / 2.0, df)
 
 
 def mean_interval(values: list[float]) -> dict[str, Any]:
     """n, mean, SD, min, max and the 95% interval of the mean (Student t, n - 1 degrees of
-    freedom) of ``values``; the spread needs n >= 2."""
+    freedom) of ``values``; the spread needs n >= 2. With n >= 2 also the median and the
+    interquartile mean (the mean of the middle half: rliable's IQM)."""
     n = len(values)
     out: dict[str, Any] = {"n": n}
     if n == 0:
@@ -102,7 +70,20 @@ def mean_interval(values: list[float]) -> dict[str, Any]:
         t = _critical(n - 1)
         half = t * sd / math.sqrt(n)
         out.update(sd=sd, ci95=[mean - half, mean + half], t=t, df=n - 1)
+        out.update(median=statistics.median(values), iqm=iqm(values))
     return out
+
+
+def iqm(values: list[float]) -> float:
+    """The interquartile mean: the mean of the middle 50% (a quarter cut from each end,
+    fractional observations weighted, as rliable computes it for whole quarters)."""
+    x = np.sort(np.asarray(values, dtype=float))
+    n = len(x)
+    lo, hi = n / 4.0, 3.0 * n / 4.0
+    total = 0.0
+    for i, v in enumerate(x):  # the share of [i, i+1) inside [lo, hi)
+        total += v * max(0.0, min(i + 1, hi) - max(i, lo))
+    return float(total / (hi - lo))
 
 
 def _test(mean_diff: float, se: float, df: float) -> dict[str, Any]:
@@ -113,14 +94,20 @@ def _test(mean_diff: float, se: float, df: float) -> dict[str, Any]:
     half = _critical(df) * se
     t = mean_diff / se if se > 0 else None
     p = t_two_sided_p(t, df) if t is not None else None
-    return {"t": t, "df": df, "p_value": p, "ci95": [mean_diff - half, mean_diff + half]}
+    return {
+        "t": t,
+        "df": df,
+        "p_value": p,
+        "se": se,
+        "ci95": [mean_diff - half, mean_diff + half],
+    }
 
 
 def correlation(a: list[float], b: list[float]) -> float | None:
     """Pearson's r of the pairs; None where either side has no spread."""
     if len(a) < 2 or statistics.pstdev(a) == 0 or statistics.pstdev(b) == 0:
         return None
-    return statistics.correlation(a, b)
+    return float(sps.pearsonr(a, b).statistic)
 
 
 def paired(baseline: list[float], group: list[float]) -> dict[str, Any]:
@@ -145,18 +132,24 @@ def paired(baseline: list[float], group: list[float]) -> dict[str, Any]:
 
 def signs(baseline: list[float], group: list[float]) -> dict[str, Any]:
     """How many pairs the group is higher, lower and the same in, and the exact two-sided
-    sign test of "higher as often as lower" (the same left out): robust to the one collapsed
-    seed that can swamp a mean."""
+    sign test of "higher as often as lower" (the same left out)."""
     higher = sum(g > b for b, g in zip(baseline, group, strict=True))
     lower = sum(g < b for b, g in zip(baseline, group, strict=True))
     n = higher + lower
-    tail = sum(math.comb(n, k) for k in range(min(higher, lower) + 1)) / 2**n
-    return {
-        "higher": higher,
-        "lower": lower,
-        "same": len(baseline) - n,
-        "p_value": min(1.0, 2 * tail),
-    }
+    p = float(sps.binomtest(higher, n).pvalue) if n else 1.0
+    return {"higher": higher, "lower": lower, "same": len(baseline) - n, "p_value": p}
+
+
+def improvement(baseline: list[float], group: list[float]) -> dict[str, Any]:
+    """P(group > baseline) on a seed: the share of the paired seeds the group is higher in
+    (the same left out), with its exact 95% interval (Clopper-Pearson). A collapsed seed
+    counts once, as any seed: it cannot swamp this as it swamps a mean."""
+    s = signs(baseline, group)
+    n = s["higher"] + s["lower"]
+    if n == 0:
+        return {"p": None, "ci95": None, "n": 0}
+    ci = sps.binomtest(s["higher"], n).proportion_ci(LEVEL, method="exact")
+    return {"p": s["higher"] / n, "ci95": [float(ci.low), float(ci.high)], "n": n}
 
 
 def welch(baseline: list[float], group: list[float]) -> dict[str, Any]:
@@ -176,26 +169,176 @@ def welch(baseline: list[float], group: list[float]) -> dict[str, Any]:
     return out
 
 
-def seeds_needed(mean_diff: float, sd: float, is_paired: bool) -> int | None:
-    """About how many seeds would resolve a true difference of ``mean_diff`` at this
-    spread: the smallest n whose test has 80% power at the 5% level, by the usual
-    approximation ``(t_{0.975} + t_{0.80}) * sd / sqrt(n) <= |mean_diff|``.
+def shape(values: list[float]) -> str | None:
+    """Why a mean's t interval would mislead on ``values`` (per-seed values or differences):
+    "bimodal or heavy-tailed (Shapiro-Wilk p = ...)" when a normal distribution is
+    rejected at the 5% level (:data:`SHAPE_MIN` or more values with a spread), else None."""
+    if len(values) < SHAPE_MIN or max(values) == min(values):
+        return None
+    p = float(sps.shapiro(values).pvalue)
+    return f"bimodal or heavy-tailed (Shapiro-Wilk p = {p:.2g})" if p < ALPHA else None
+
+
+def tost(mean_diff: float, se: float, df: float, delta: float) -> dict[str, Any]:
+    """Equivalence within ``±delta`` by two one-sided t-tests (Lakens): equivalent when both
+    one-sided tests reject at 5%, i.e. when the 90% interval lies inside ``(-delta,
+    delta)``. ``p_value`` is the larger one-sided p."""
+    half = _critical(df, 1.0 - 2 * ALPHA) * se
+    if se > 0:
+        p_low = float(sps.t.sf((mean_diff + delta) / se, df))  # H0: diff <= -delta
+        p_high = float(sps.t.cdf((mean_diff - delta) / se, df))  # H0: diff >= +delta
+        p = max(p_low, p_high)
+    else:
+        p = 0.0 if abs(mean_diff) < delta else 1.0
+    return {
+        "delta": delta,
+        "ci90": [mean_diff - half, mean_diff + half],
+        "p_value": p,
+        "equivalent": p < ALPHA,
+    }
+
+
+def holm(p_values: list[float | None]) -> list[float | None]:
+    """Holm's step-down adjusted p-values (None stays None): reject where the adjusted p is
+    below 5% and the family-wise error rate of all the comparisons stays at 5%."""
+    known = sorted((p, i) for i, p in enumerate(p_values) if p is not None)
+    m = len(known)
+    out: list[float | None] = [None] * len(p_values)
+    running = 0.0
+    for rank, (p, i) in enumerate(known):
+        running = max(running, min(1.0, (m - rank) * p))
+        out[i] = running
+    return out
+
+
+def _normal_power_factor(df: float) -> float:
+    return _critical(df) + t_quantile(POWER, df)
+
+
+def resolvable(se: float, df: float) -> float:
+    """The smallest true difference a test with standard error ``se`` (and ``df``) detects
+    with 80% power at the 5% level: ``(t_{0.975} + t_{0.80}) * se``."""
+    return _normal_power_factor(df) * se
+
+
+def seeds_needed(
+    delta: float, sd: float, is_paired: bool, fixed_var: float = 0.0, images: int | None = None
+) -> int | None:
+    """About how many seeds would resolve a true difference of ``delta`` (the smallest effect
+    of interest, else the observed one) at this spread: the smallest n whose test has 80%
+    power at the 5% level, ``(t_{0.975} + t_{0.80}) * se(n) <= |delta|``.
 
     ``sd`` is the SD of the per-seed differences when paired (n seeds run both configs), or
-    ``sqrt(SD_a^2 + SD_b^2)`` when not (n seeds a config). Both are estimated from the few
-    seeds there are, so the answer is a rough guide. None for no difference at all;
-    :data:`MAX_SEEDS` when more than that would be needed."""
-    if not mean_diff or not math.isfinite(mean_diff) or not math.isfinite(sd):
+    ``sqrt(SD_a^2 + SD_b^2)`` when not (n seeds a config); ``se(n)^2 = sd^2 / n +
+    fixed_var``, where ``fixed_var`` is the evaluation samples' share of the variance, which
+    more seeds do not shrink (``images``: their count, for the degrees of freedom). Both are
+    estimated from the few seeds there are, so the answer is a rough guide. None for no
+    difference at all; :data:`MAX_SEEDS` when more than that would be needed (or when the
+    samples' share alone exceeds what ``delta`` allows: more seeds cannot help)."""
+    if not delta or not math.isfinite(delta) or not math.isfinite(sd):
         return None
+    z = statistics.NormalDist()
+    factor = z.inv_cdf(0.5 + LEVEL / 2) + z.inv_cdf(POWER)
+    room = (delta / factor) ** 2 - fixed_var
+    if room <= 0:
+        return MAX_SEEDS
     if sd == 0:
         return 2
-    z = statistics.NormalDist()
-    normal = ((z.inv_cdf(0.5 + LEVEL / 2) + z.inv_cdf(POWER)) * sd / mean_diff) ** 2
+    normal = sd**2 / room
     if normal > MAX_SEEDS:
         return MAX_SEEDS
     # t's quantiles exceed the normal's: no n below the normal approximation's is enough
     for n in range(max(2, math.floor(normal)), MAX_SEEDS + 1):
         df = n - 1 if is_paired else 2 * n - 2
-        if (_critical(df) + t_quantile(POWER, df)) * sd / math.sqrt(n) <= abs(mean_diff):
+        if fixed_var and images:
+            df = _satterthwaite([sd**2 / n, fixed_var], [df, images - 1])
+        if _normal_power_factor(df) * math.sqrt(sd**2 / n + fixed_var) <= abs(delta):
             return n
     return MAX_SEEDS
+
+
+def _satterthwaite(variances: list[float], dfs: list[float]) -> float:
+    """Welch-Satterthwaite degrees of freedom of a sum of variance components."""
+    num = sum(variances) ** 2
+    den = sum(v**2 / d for v, d in zip(variances, dfs, strict=True) if d > 0)
+    return num / den if den > 0 else max(1.0, float(sum(dfs)))
+
+
+@dataclass
+class Stratum:
+    """One fold's paired per-sample scores: ``baseline[s, i, k]`` and ``group[s, i, k]``
+    for seed ``s``, evaluation sample ``i`` (matched by name) and headline component ``k``
+    (a class for a segmentation's mean over classes); NaN where a sample does not count
+    for a component (an image without the class)."""
+
+    baseline: np.ndarray
+    group: np.ndarray
+
+
+def headline(scores: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+    """The headline of each seed from its per-sample scores ``[..., seeds, samples,
+    components]``: each component's mean over the samples where it is finite, then the
+    mean over components -- with each sample counted ``weights[..., i]`` times (a
+    bootstrap's draw counts; all ones when None)."""
+    present = np.isfinite(scores)
+    filled = np.where(present, scores, 0.0)
+    if weights is None:
+        weights = np.ones(scores.shape[-2])
+    num = np.einsum("...i,sik->...sk", weights, filled)
+    den = np.einsum("...i,sik->...sk", weights, present.astype(float))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        per_component = num / den
+    return (
+        np.nanmean(per_component, axis=-1) if per_component.shape[-1] > 1 else per_component[..., 0]
+    )
+
+
+def two_level(strata: list[Stratum], replicates: int = REPLICATES) -> dict[str, Any]:
+    """The paired two-level interval of ``group - baseline`` over seeds and evaluation
+    samples (each stratum, a fold, on its own; the overall difference is the mean over
+    every (seed, fold) pair).
+
+    The seed part of the variance is the paired t-test's: the per-seed differences'
+    variance over the seeds. The sample part is bootstrapped: the samples drawn with
+    replacement -- the same draws for both configs and every seed, so what they share
+    cancels -- the headline recomputed from the per-sample scores (a segmentation's mean
+    over classes and images too), the variance of the mean difference over the draws,
+    scaled by n/(n-1). The sum counts the seed-by-sample noise twice (a little wide, never
+    narrow); the interval is a t interval with Satterthwaite's degrees of freedom. With one
+    sample (or none varying) it is the paired t-test exactly."""
+    rng = np.random.default_rng(BOOTSTRAP_KEY)
+    pairs = sum(s.baseline.shape[0] for s in strata)
+    mean_diff, v_seed, v_sample = 0.0, 0.0, 0.0
+    parts: list[float] = []
+    dfs: list[float] = []
+    per_seed: list[float] = []
+    for s in strata:
+        n_seeds, n_samples = s.baseline.shape[:2]
+        share = n_seeds / pairs
+        d0 = headline(s.group) - headline(s.baseline)  # per seed
+        per_seed.extend(d0.tolist())
+        mean_diff += share * float(np.mean(d0))
+        seed = share**2 * (float(np.var(d0, ddof=1)) / n_seeds if n_seeds > 1 else 0.0)
+        sample = 0.0
+        if n_samples > 1:
+            draws = rng.multinomial(n_samples, np.full(n_samples, 1 / n_samples), replicates)
+            with np.errstate(invalid="ignore"):
+                d = np.mean(headline(s.group, draws) - headline(s.baseline, draws), axis=1)
+            d = d[np.isfinite(d)]  # a draw with no sample of some class for some seed
+            if len(d) > 1:
+                sample = share**2 * float(np.var(d)) * n_samples / (n_samples - 1)
+        v_seed, v_sample = v_seed + seed, v_sample + sample
+        parts += [seed, sample]
+        dfs += [n_seeds - 1, n_samples - 1]
+    df = _satterthwaite(parts, dfs)
+    out = {
+        "mean_diff": mean_diff,
+        "per_seed": per_seed,
+        "seed_var": v_seed,
+        "sample_var": v_sample,
+        "seed_share": v_seed / (v_seed + v_sample) if v_seed + v_sample > 0 else None,
+        "samples": [int(s.baseline.shape[1]) for s in strata],
+        "replicates": replicates,
+    }
+    out.update(_test(mean_diff, math.sqrt(v_seed + v_sample), df))
+    return out

@@ -23,6 +23,12 @@ one it runs. It owns four things:
     computed from them). Exact integers, so how the batches are cut and summed, and the world
     size, cannot change them (the outputs themselves may differ in their last bits with
     the batch a network runs in: see ``inference.mode=native``, one image a forward).
+``sample_scores(samples)`` (optional)
+    each sample's share of the headline, from the concatenated ``per_sample`` rows: float
+    columns named ``headline`` or ``headline_<part>``, written beside the counts, whose
+    means over the samples with a finite value, averaged over the columns, are the
+    headline. ``repro report`` resamples them to put the evaluation samples' uncertainty
+    into its intervals (docs/tools.md); a task without them is judged by its seeds alone.
 
 ``outputs`` is what the model returns for a batch; ``targets`` is what the dataset gives
 beside the inputs: class labels ``N``, or per-pixel class masks ``N×H×W``, which the keyed
@@ -65,6 +71,11 @@ class Task:
         """One row per sample (see the module docstring); None: no per-sample record."""
         return None
 
+    def sample_scores(self, samples: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """Each sample's share of the headline (see the module docstring); None: the
+        headline is not a mean over the samples."""
+        return None
+
 
 class Classification(Task):
     """Single-label classification: cross-entropy on the logits (computed in float32, also
@@ -99,6 +110,10 @@ class Classification(Task):
             "prediction": prediction,
             "correct": (prediction == targets).long(),
         }
+
+    def sample_scores(self, samples: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The accuracy is the mean of each sample's 1 (right) or 0 (wrong)."""
+        return {"headline": samples["correct"].double()}
 
 
 def _check_shapes(
@@ -279,6 +294,18 @@ class Segmentation(Task):
             rows[f"fp_{name}"] = (predicted & ~truth).sum((1, 2))
             rows[f"fn_{name}"] = (truth & ~predicted).sum((1, 2))
         return rows
+
+    def sample_scores(self, samples: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each image's Dice of each class in the headline (``headline_<class>``; NaN where
+        neither the reference nor the prediction has the class): ``val_dice`` is the mean
+        over those columns of each one's mean over its finite values."""
+        first = 0 if self.include_background else 1
+        out = {}
+        for name in self.names[first:]:
+            tp, fp, fn = (samples[f"{k}_{name}"].double() for k in ("tp", "fp", "fn"))
+            total = 2 * tp + fp + fn
+            out[f"headline_{name}"] = torch.where(total > 0, 2 * tp / total, torch.nan)
+        return out
 
     def metrics(
         self, totals: dict[str, torch.Tensor], samples: dict[str, torch.Tensor] | None = None

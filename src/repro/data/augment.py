@@ -303,8 +303,12 @@ class SegmentationAugment:
     ``translate`` of the size, flipped horizontally half the time (the image bilinear, the
     mask nearest, the pixels moved in from outside :data:`IGNORE` in the mask) -- then the
     image alone brightened and contrasted by factors in ``1 ± brightness``, ``1 ±
-    contrast``. Draws from the keyed ``generator`` only. Keeps the image's dtype: uint8
-    rounded and clamped to 0..255, float32 (already mapped) neither."""
+    contrast``. With ``elastic`` > 0, also deformed elastically: each pixel moved by up
+    to ``elastic`` pixels along a smooth random field (drawn on an ``elastic_grid`` ×
+    ``elastic_grid`` lattice, interpolated bicubically; image and mask by the same field).
+    Draws from the keyed ``generator`` only (``elastic`` 0 draws no more than before, so the
+    default's bits are unchanged). Keeps the image's dtype: uint8 rounded and clamped to
+    0..255, float32 (already mapped) neither."""
 
     keyed = True
 
@@ -317,10 +321,19 @@ class SegmentationAugment:
         flip: float = 0.5,
         brightness: float = 0.2,
         contrast: float = 0.2,
+        elastic: float = 0.0,
+        elastic_grid: int = 4,
     ) -> None:
         self.size, self.degrees, self.scale = int(size), float(degrees), tuple(scale)
         self.translate, self.flip = float(translate), float(flip)
         self.brightness, self.contrast = float(brightness), float(contrast)
+        if not (math.isfinite(float(elastic)) and float(elastic) >= 0) or int(elastic_grid) < 2:
+            raise ConfigError(
+                f"config error: augment SegmentationAugment(elastic={elastic!r}, "
+                f"elastic_grid={elastic_grid!r}) is invalid; allowed: elastic >= 0 (pixels) "
+                "and elastic_grid >= 2."
+            )
+        self.elastic, self.elastic_grid = float(elastic), int(elastic_grid)
 
     def __call__(
         self, image: torch.Tensor, target: Any, *, generator: torch.Generator
@@ -335,6 +348,14 @@ class SegmentationAugment:
         cos, sin = math.cos(angle) / zoom, math.sin(angle) / zoom
         theta = torch.tensor([[mirror * cos, -sin, tx], [mirror * sin, cos, ty]])
         grid = F.affine_grid(theta[None], [1, 1, self.size, self.size], align_corners=False)
+        if self.elastic:
+            g = self.elastic_grid
+            field = torch.rand(1, 2, g, g, generator=generator, dtype=torch.float64)
+            field = (2 * field - 1).float() * (2 * self.elastic / self.size)  # pixels -> [-1, 1]
+            smooth = F.interpolate(
+                field, size=(self.size, self.size), mode="bicubic", align_corners=True
+            )
+            grid = grid + smooth.permute(0, 2, 3, 1)
         moved = F.grid_sample(image[None].float(), grid, mode="bilinear", align_corners=False)
         x = moved[0] * (1 + self.brightness * (2 * u[5] - 1))
         mean = x.mean()
