@@ -74,7 +74,7 @@ def test_confirm_reruns_the_top_trials_over_fresh_seeds(search, tmp_path, monkey
 
     monkeypatch.setattr(confirming, "subprocess", SimpleNamespace(run=launch.run))
     out_dir = tmp_path / "confirm"
-    report, text, _ = confirming.confirm(search, 2, 2, out_dir, log=lambda m: None)
+    report, text, _ = confirming.confirm(search, 2, 2, out_dir, log=lambda m: None, sesoi=0.01)
     assert report["failed_launches"] == 0
     assert json.loads((out_dir / "report.json").read_text())["search"] == report["search"]
     ranked = sorted(summaries(search).values(), key=lambda s: -s["val_accuracy"])
@@ -86,6 +86,11 @@ def test_confirm_reruns_the_top_trials_over_fresh_seeds(search, tmp_path, monkey
     (c,) = report["comparisons"]
     assert c["paired"] and c["n"] == 2 and c["baseline"].startswith("trial-1")
     assert "Best mean over the fresh seeds: search rank" in text
+    # the report's verdict on the headline decides whether rank 1 is confirmed (δ = 0.01)
+    confirmed = report["search"]["confirmation"]
+    assert confirmed["delta"] == 0.01 and c["decision"]["sesoi"] == 0.01
+    assert confirmed["confirmed"] == (c["outcome"] == "worse by more than δ")
+    assert ("**Confirmed**" if confirmed["confirmed"] else "**Not confirmed**") in text
     # each confirmed job is an ordinary run of the trial's config at its seed
     trial_1 = [o for o in first["overrides"] if o.startswith("optim.")]
     overrides = (next((out_dir / "trial-1").glob("0_*")) / ".hydra" / "overrides.yaml").read_text()

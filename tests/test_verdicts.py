@@ -266,3 +266,45 @@ def test_a_list_difference_is_said_in_words():
     assert list_change(new, old) == "ElasticTransform(alpha=30) removed from position 4"
     wider = [crop, {**flip, "p": 0.9}, norm]
     assert list_change(old, wider) == "HorizontalFlip at position 2: p 0.5 -> 0.9"
+
+
+def test_confirm_confirms_only_a_best_that_beats_every_trial_by_more_than_delta():
+    """repro confirm's verdict from the report's outcomes (each trial − rank 1, higher is
+    better): confirmed only when every trial is worse by more than δ."""
+    from repro.search import confirmation, confirmation_text
+
+    def report(*outcomes, delta=0.01):
+        comparisons = [
+            {"group": f"trial-{i + 2}", "metric": "val_dice", "outcome": o}
+            for i, o in enumerate(outcomes)
+        ]
+        return {
+            "search": {"headline": "val_dice"},
+            "baseline": "trial-1",
+            "sesoi": {"delta": delta} if delta else None,
+            "comparisons": comparisons,
+        }
+
+    assert confirmation(report("worse by more than δ", "worse by more than δ"))["confirmed"]
+    got = confirmation(report("worse by more than δ", "worse", "equivalent", "can't tell"))
+    assert not got["confirmed"] and got["equivalent"] == ["trial-4"]
+    assert got["can't tell"] == ["trial-3", "trial-5"]  # worse, but maybe by less than δ
+    text = confirmation_text(got)
+    assert text.startswith("**Not confirmed**: `trial-1` is equivalent to `trial-4`")
+    assert confirmation(report("worse", delta=None))["confirmed"]  # no δ: better at all
+    assert confirmation(report("better", delta=None))["better"] == ["trial-2"]
+
+
+def test_a_presets_smallest_effect_is_read_and_is_not_in_the_config_hash(tmp_path):
+    """report.sesoi in the baseline's resolved config sets δ (--sesoi wins); it says how
+    runs are judged, so the config hash (and so a resume, an evaluation) ignores it."""
+    from repro.config import compose, config_hash
+
+    out = sweep(tmp_path, design(0.001, 0.001, 0.0005), range(8))
+    for config in out.glob("*/.hydra/config.yaml"):
+        config.write_text(config.read_text() + "report:\n  sesoi: 0.02\n")
+    report = build_report(out)
+    assert report["sesoi"] == {"delta": 0.02, "source": "report.sesoi of the baseline's config"}
+    assert report["comparisons"][0]["outcome"] == "equivalent"
+    assert build_report(out, sesoi=0.0001)["sesoi"]["delta"] == 0.0001
+    assert config_hash(compose([])) == config_hash(compose(["report.sesoi=0.01"]))

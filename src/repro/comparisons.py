@@ -859,7 +859,7 @@ def plot_comparison(report: dict[str, Any], out_dir: Path) -> str | None:
             )  # fmt: skip
     right.set_xticks(range(len(shown)))
     right.set_xticklabels(
-        [f"{c['group']}\n− baseline".replace(" ", "\n", 2) for c in shown], fontsize=7
+        [c["group"].replace(" ", "\n") + "\n− baseline" for c in shown], fontsize=7
     )
     right.set_ylabel(f"{metric}, group − baseline")
     right.set_title("paired differences per seed; 0 and ±δ marked", fontsize=9)
