@@ -78,7 +78,7 @@ MUTATIONS = [
         '        set_global_rng_states(state["rng"])\n',
         "",
         [
-            "tests/test_resume.py::"
+            "tests/test_resume_checkpoints.py::"
             "test_third_party_randomness_resumes_exactly_because_the_rng_states_are_restored",
         ],
     ),
@@ -171,7 +171,7 @@ MUTATIONS = [
         "        if held is not None and content_sha256(state) != held:",
         "        if False:",
         [
-            "tests/test_resume.py::test_a_damaged_checkpoint_is_detected_and_resume_falls_back"
+            "tests/test_resume_checkpoints.py::test_a_damaged_checkpoint_is_detected_and_resume_falls_back"
             "[damaged_without_checksum-its content does not match its own digest (corrupted)]",
         ],
     ),

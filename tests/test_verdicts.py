@@ -288,7 +288,7 @@ def test_confirm_confirms_only_a_best_that_beats_every_trial_by_more_than_delta(
     assert confirmation(report("worse by more than δ", "worse by more than δ"))["confirmed"]
     got = confirmation(report("worse by more than δ", "worse", "equivalent", "can't tell"))
     assert not got["confirmed"] and got["equivalent"] == ["trial-4"]
-    assert got["can't tell"] == ["trial-3", "trial-5"]  # worse, but maybe by less than δ
+    assert got["less than δ"] == ["trial-3"] and got["can't tell"] == ["trial-5"]
     text = confirmation_text(got)
     assert text.startswith("**Not confirmed**: `trial-1` is equivalent to `trial-4`")
     assert confirmation(report("worse", delta=None))["confirmed"]  # no δ: better at all
@@ -308,3 +308,43 @@ def test_a_presets_smallest_effect_is_read_and_is_not_in_the_config_hash(tmp_pat
     assert report["comparisons"][0]["outcome"] == "equivalent"
     assert build_report(out, sesoi=0.0001)["sesoi"]["delta"] == 0.0001
     assert config_hash(compose([])) == config_hash(compose(["report.sesoi=0.01"]))
+
+
+def test_folds_count_fold_to_fold_differences_as_the_seeds_part():
+    """5 folds x 1 seed: no stratum has two seeds, yet the differences vary from fold to
+    fold; the seed part is the paired t-test's over the (seed, fold) pairs, so the interval
+    is no narrower than the seeds-only one."""
+    rng = np.random.default_rng(9)
+    strata = []
+    for shift in (0.05, -0.04, 0.03, -0.02, 0.01):
+        base = rng.normal(0.7, 0.05, (1, 30, 1))
+        strata.append(stats.Stratum(base, base + shift + rng.normal(0, 0.001, (1, 30, 1))))
+    got = stats.two_level(strata)
+    diffs = got["per_seed"]
+    ref = sps.ttest_1samp(diffs, 0.0).confidence_interval()
+    width = got["ci95"][1] - got["ci95"][0]
+    assert width >= 0.999 * (ref.high - ref.low) and got["p_value"] > 0.05
+
+
+def test_at_chance_is_a_balanced_accuracy_of_one_over_the_classes(tmp_path):
+    from repro.sample_records import collapse, read_scores
+
+    def run(name, targets, predictions):
+        d = tmp_path / name
+        d.mkdir()
+        rows = ["step,sample,target,prediction,correct,headline"]
+        rows += [
+            f"6,{i},{t},{p},{int(t == p)},{float(t == p)!r}"
+            for i, (t, p) in enumerate(zip(targets, predictions, strict=True))
+        ]
+        (d / "val_per_image.csv").write_text("\n".join(rows) + "\n")
+        acc = sum(t == p for t, p in zip(targets, predictions, strict=True)) / len(targets)
+        summary = {"val_accuracy": acc, "headline": "val_accuracy", "higher_is_better": True}
+        return collapse({**summary, "final_loss": 0.1}, read_scores(d, summary))
+
+    imbalanced = [0] * 95 + [1] * 5
+    good = [0] * 94 + [1] + [1] * 4 + [0]  # 94% accurate on a 95% majority: not collapsed
+    assert run("good", imbalanced, good) is None
+    guess = [0] * 90 + [1] * 5 + [0] * 5  # balanced accuracy (90/95 + 0/5) / 2 < 1/2
+    assert run("guess", imbalanced, guess).startswith("at chance (balanced accuracy 0.4737")
+    assert run("one", imbalanced, [0] * 100).startswith("one class everywhere (predicts class 0")

@@ -43,9 +43,9 @@ from repro import stats
 from repro.config import RELEVANT_ENVIRONMENT, RELEVANT_ON_CPU, RUN_CONTROL, flatten
 from repro.errors import ReproError
 
-# Config keys that say where a run wrote and logged, not what it computed (and the pooled
-# seed and fold).
-NOT_LISTED = ("seed", "data.fold", *RUN_CONTROL, "paths", "logger")
+# Config keys that say where a run wrote and logged, or how runs are judged, not what it
+# computed (and the pooled seed and fold).
+NOT_LISTED = ("seed", "data.fold", *RUN_CONTROL, "paths", "logger", "report")
 _MAX_KEYS = 8  # config differences listed per comparison in report.md (all in report.json)
 
 
@@ -112,7 +112,7 @@ def compare_groups(
             out["comparisons"].append(c)
     family = [c for c in out["comparisons"] if c["metric"] == headline and c.get("decision")]
     if len(family) > 1:  # several groups against one baseline on the headline
-        adjusted = stats.holm([c["decision"].get("p_value") for c in family])
+        adjusted = stats.holm([_p(c["decision"]) for c in family])
         equivalence = stats.holm([(c["decision"].get("tost") or {}).get("p_value") for c in family])
         for c, p, q in zip(family, adjusted, equivalence, strict=True):
             c["decision"]["holm"] = {"comparisons": len(family), "p_value": p, "tost_p_value": q}
@@ -120,6 +120,11 @@ def compare_groups(
         c["verdict"] = verdict(c)
         c["outcome"] = outcome(c)
     return out
+
+
+def _p(decision: dict[str, Any]) -> float | None:
+    """The p-value a decision rests on: the sign test's where a mean misleads."""
+    return (decision.get("robust") or decision).get("p_value")
 
 
 def _sesoi(given: float | None, base: list[Any]) -> tuple[float | None, str]:
@@ -156,13 +161,20 @@ def judge(
     from repro.sample_records import SampleScores
 
     seeds = c.get("seeds") or []
-    ok = {side: {_job_key(j): j for j in jobs if j.status == "ok"} for side, jobs in
-          (("baseline", base), ("group", group))}  # fmt: skip
+    ok: dict[str, dict[Any, Any]] = {"baseline": {}, "group": {}}
+    for side, jobs in (("baseline", base), ("group", group)):
+        for j in jobs:  # the job per_seed counted: the first finished one with a finite value
+            value = j.summary.get(c["metric"]) if j.status == "ok" else None
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if number and math.isfinite(value):
+                ok[side].setdefault(_job_key(j), j)
     c["collapsed"] = [
-        {"side": side, **_key_fields(k), "job": j.dir.name, "why": j.collapsed}
-        for side in ("baseline", "group")
-        for k, j in sorted(ok[side].items(), key=lambda kv: seed_order(kv[0]))
-        if getattr(j, "collapsed", None) and (not c["paired"] or k in seeds)
+        {"side": side, **_key_fields(_job_key(j)), "job": j.dir.name, "why": j.collapsed}
+        for side, jobs in (("baseline", base), ("group", group))
+        for j in sorted(jobs, key=lambda j: seed_order(_job_key(j)))
+        if j.status == "ok"
+        and getattr(j, "collapsed", None)
+        and (not c["paired"] or _job_key(j) in seeds)
     ]
     if "mean_diff" not in c or "ci95" not in c:
         return
@@ -182,14 +194,15 @@ def judge(
         decision["resolvable"] = stats.resolvable(se, df)
     if delta is not None:
         decision["sesoi"] = delta
-        if se is not None:
+        if se:  # no spread: nothing to test equivalence against
             decision["tost"] = stats.tost(decision["mean_diff"], se, df, delta)
         if c.get("sd_diff") is not None:
-            fixed = (c.get("two_level") or {}).get("sample_var", 0.0) if level else 0.0
+            fixed = (c.get("two_level") or {}).get("sample_var", 0.0)
             images = min((c.get("two_level") or {}).get("samples") or [0]) or None
             decision["seeds_needed"] = stats.seeds_needed(
                 delta, c["sd_diff"], c["paired"], fixed, images
             )
+            decision["samples_limit"] = stats.samples_limit(delta, fixed)
     if c["paired"]:
         a = [ok["baseline"][k].summary[c["metric"]] for k in seeds]
         b = [ok["group"][k].summary[c["metric"]] for k in seeds]
@@ -208,6 +221,7 @@ def judge(
                 "group_iqm": stats.iqm(b),
                 "median_diff": statistics.median(diffs),
                 "improvement": stats.improvement(a, b),
+                "p_value": stats.signs(a, b)["p_value"],  # the sign test: what Holm adjusts
             }
     c["decision"] = decision
 
@@ -412,9 +426,10 @@ def outcome(c: dict[str, Any]) -> str:
     robust = d.get("robust")
     if robust:
         imp = robust["improvement"]
-        if imp["p"] is not None and imp["ci95"][0] > 0.5:
+        held = (d.get("holm") or {}).get("p_value", 0.0) < stats.ALPHA  # Holm: the sign test
+        if imp["p"] is not None and imp["ci95"][0] > 0.5 and held:
             return kind(True)
-        if imp["p"] is not None and imp["ci95"][1] < 0.5:
+        if imp["p"] is not None and imp["ci95"][1] < 0.5 and held:
             return kind(False)
         return "can't tell"
     if c.get("p_value") is None and d["by"] == "seeds":
@@ -433,12 +448,17 @@ def outcome(c: dict[str, Any]) -> str:
     return "can't tell"
 
 
-def _robust_verdict(robust: dict[str, Any], mean: float, how: str, seeds: str, word: Any) -> str:
-    """The verdict where a mean misleads: P(B > A) and its exact interval decide."""
+def _robust_verdict(
+    robust: dict[str, Any], decision: dict[str, Any], mean: float, how: str, seeds: str, word: Any
+) -> str:
+    """The verdict where a mean misleads: P(B > A) and its exact interval decide (and,
+    with several groups, the sign test after Holm's correction). No δ: with a collapsed or
+    bimodal seed there is no "by more than δ" or "equivalent"."""
     imp = robust["improvement"]
     md = robust["median_diff"]
     places = _decimals(md, mean)
     because = "; ".join(robust["why"])
+    holm = decision.get("holm")
     if imp["p"] is None:
         lead = "can't tell: no seed differs"
     else:
@@ -449,6 +469,11 @@ def _robust_verdict(robust: dict[str, Any], mean: float, how: str, seeds: str, w
             else f"{word(False)}: {odds}" if hi < 0.5
             else f"can't tell: {odds} includes 0.5"
         )  # fmt: skip
+        if holm and (lo > 0.5 or hi < 0.5) and holm["p_value"] >= stats.ALPHA:
+            lead = (
+                f"can't tell: {odds}, but the sign test is not significant after Holm's "
+                f"correction over {holm['comparisons']} comparisons (p = {holm['p_value']:.2g})"
+            )
     return (
         f"{lead}; median difference {_fmt(md, places)} ({how}); the medians lead because "
         f"{because} -- the mean's interval would mislead"
@@ -461,13 +486,15 @@ def _unresolved(c: dict[str, Any], decision: dict[str, Any], places: int) -> str
     if delta is not None:
         n = decision.get("seeds_needed")
         each = "seeds (each run with both configs)" if c["paired"] else "seeds of each config"
-        if n is not None and n < stats.MAX_SEEDS:
-            more = f"about {n} {each} would resolve ±{delta:g}"
-        elif decision["by"] == "seeds and samples":
+        if c.get("by_fold"):
+            each = "(seed, fold) pairs"
+        if decision.get("samples_limit"):
             more = (
                 f"more seeds cannot resolve ±{delta:g} here: the evaluation samples' "
                 "uncertainty alone is too large (more samples would)"
             )
+        elif n is not None and n < stats.MAX_SEEDS:
+            more = f"about {n} {each} would resolve ±{delta:g}"
         else:
             more = f"more than {stats.MAX_SEEDS} seeds would be needed to resolve ±{delta:g}"
         return f"with these seeds neither better by δ = {delta:g} nor equivalent within it; {more}"
@@ -478,6 +505,21 @@ def _unresolved(c: dict[str, Any], decision: dict[str, Any], places: int) -> str
             "equivalence"
         )
     return "no spread to judge by"
+
+
+def _sources(c: dict[str, Any], decision: dict[str, Any]) -> str:
+    """What the deciding interval covers, for the verdict: the seeds and how many samples
+    (and each one's share of the variance), or why the seeds alone."""
+    if decision["by"] == "seeds and samples":
+        level = c["two_level"]
+        share = level.get("seed_share")
+        text = f" x {'+'.join(map(str, level['samples']))} evaluation samples"
+        if share is not None:
+            text += f"; seeds {share:.0%} of the variance, samples {1 - share:.0%}"
+        return text
+    if decision.get("why_seeds_only"):
+        return f"; seeds only: {decision['why_seeds_only']}"
+    return ""
 
 
 def _fmt(value: float, places: int) -> str:
@@ -526,22 +568,14 @@ def verdict(c: dict[str, Any]) -> str:
         return w
 
     if robust:
-        return prefix + _robust_verdict(robust, d, how, seeds, word)
+        return prefix + _robust_verdict(robust, decision, d, how, seeds, word)
     mean = decision["mean_diff"]
     lo, hi = decision["ci95"]
     places = _decimals(mean, lo, hi)
     interval = f"[{_fmt(lo, places)}, {_fmt(hi, places)}]"
     holm = decision.get("holm")
     p = (holm or {}).get("p_value", decision.get("p_value"))
-    if decision["by"] == "seeds and samples":
-        level = c["two_level"]
-        share = level.get("seed_share")
-        images = "+".join(map(str, level["samples"]))
-        how += f" x {images} evaluation samples"
-        if share is not None:
-            how += f"; seeds {share:.0%} of the variance, samples {1 - share:.0%}"
-    elif decision.get("why_seeds_only"):
-        how += f"; seeds only: {decision['why_seeds_only']}"
+    how += _sources(c, decision)
     corrected = f"; Holm-corrected over {holm['comparisons']} comparisons" if holm else ""
     p_text = f"p = {p:.2g}{corrected}" if p is not None else "no spread"
     delta = decision.get("sesoi")
@@ -580,10 +614,11 @@ def verdict(c: dict[str, Any]) -> str:
             f"({p_text}){counted}"
         )
     size = _unresolved(c, decision, places)
-    corrected = f", {p_text}" if holm else ""
-    return (
-        f"{prefix}can't tell: the interval {interval} spans 0 ({how}{corrected}); {size}{counted}"
-    )
+    if lo > 0 or hi < 0:  # the raw interval excludes 0; Holm's correction does not
+        spans = f"excludes 0, but not after Holm's correction ({how}, {p_text})"
+    else:
+        spans = f"spans 0 ({how}{f', {p_text}' if holm else ''})"
+    return f"{prefix}can't tell: the interval {interval} {spans}; {size}{counted}"
 
 
 def _first(jobs: list[Any], finished: bool = True) -> Any:
@@ -731,7 +766,7 @@ def format_comparisons(report: dict[str, Any]) -> list[str]:
     for c in comparisons:
         d = c.get("decision") or {}
         ci = d.get("ci95") or c.get("ci95")
-        seeds_ci = c.get("ci95") if c["paired"] else (c.get("welch") or {}).get("ci95")
+        seeds_ci = c.get("ci95")  # the paired t interval, or Welch's when unpaired
         places = _decimals(*(v for v in [c.get("mean_diff"), *(ci or [])] if v))
         r = c.get("correlation")
         p = ((d.get("holm") or {}).get("p_value", d.get("p_value"))) if d else c.get("p_value")

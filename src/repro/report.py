@@ -51,7 +51,7 @@ from repro.files import (
     parse_json,
 )
 from repro.sample_records import collapse, read_scores
-from repro.stats import mean_interval
+from repro.stats import mean_interval, shape
 
 # The headline and metrics of summaries written before tasks recorded them.
 DEFAULT_METRICS = ("val_accuracy", "val_loss")
@@ -431,6 +431,23 @@ def _left_out(ok: list[Job], metric: str) -> list[dict[str, Any]]:
     return out
 
 
+def _metric_stats(ok: list[Job], m: str, headline: bool) -> dict[str, Any]:
+    """A group's statistics of metric ``m`` over its finished jobs: the distribution, its
+    shape, outliers, values left out and (the headline) the collapsed seeds."""
+    values = [float(j.summary[m]) for j in ok if _finite(j.summary.get(m))]
+    stats = mean_interval(values)
+    stats["shape"] = shape(values)  # bimodal or heavy-tailed: the median leads
+    stats["outliers"] = outliers(ok, m, stats)
+    stats["left_out"] = _left_out(ok, m)
+    if headline:  # runs that learned the trivial answer
+        stats["collapsed"] = [
+            {"seed": j.seed, "fold": j.fold, "job": j.dir.name, "why": j.collapsed}
+            for j in ok
+            if j.collapsed
+        ]
+    return stats
+
+
 def _read_samples(jobs: list[Job]) -> None:
     """Each finished job's per-sample headline scores, and whether it collapsed
     (:mod:`repro.sample_records`)."""
@@ -468,18 +485,7 @@ def build_report(
     for (source, key), members in groups.items():  # in the order of their first job
         ok = [j for j in members if j.status == "ok"]
         metric_names = (ok or members)[0].metrics  # the group's task: headline first
-        per_metric = {}
-        for m in metric_names:
-            stats = mean_interval([float(j.summary[m]) for j in ok if _finite(j.summary.get(m))])
-            stats["outliers"] = outliers(ok, m, stats)
-            stats["left_out"] = _left_out(ok, m)
-            if m == metric_names[0]:  # the headline: runs that learned the trivial answer
-                stats["collapsed"] = [
-                    {"seed": j.seed, "fold": j.fold, "job": j.dir.name, "why": j.collapsed}
-                    for j in ok
-                    if j.collapsed
-                ]
-            per_metric[m] = stats
+        per_metric = {m: _metric_stats(ok, m, m == metric_names[0]) for m in metric_names}
         first = (ok or members)[0].summary
         out_groups.append(
             {
@@ -571,10 +577,11 @@ def _metric_lines(m: str, s: dict[str, Any]) -> list[str]:
         )
     for x in s.get("collapsed") or []:
         lines.append(f"  - **collapsed**: {_seed_fold(x)} ({x['job']}): {x['why']}")
-    if s.get("n", 0) >= 2 and s.get("collapsed"):
+    why = "collapsed seeds" if s.get("collapsed") else s.get("shape")
+    if s.get("n", 0) >= 2 and why:
         lines.append(
-            f"  - with collapsed seeds, read the median {s['median']:.4f} and the "
-            f"interquartile mean {s['iqm']:.4f}, not the mean"
+            f"  - {why}: read the median {s['median']:.4f} and the interquartile mean "
+            f"{s['iqm']:.4f}, not the mean"
         )
     for o in s["outliers"]:
         lines.append(

@@ -16,14 +16,14 @@ near for an outlier rule):
 - one class everywhere: every sample predicted as one class (classification's
   ``prediction`` column), or a headline of 0 on every sample that has a score (a
   segmentation that predicts none of the scored classes);
-- at chance: an accuracy no better than always answering the most frequent class.
+- at chance: a balanced accuracy (each class's share of right answers, averaged over the
+  classes) no better than guessing, 1/K -- so a good model on imbalanced data is not one.
 """
 
 from __future__ import annotations
 
 import csv
 import math
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,11 +120,16 @@ def collapse(summary: dict[str, Any], scores: SampleScores | str | None) -> str 
             "one class everywhere (scores 0 on every sample: predicts none of the scored classes)"
         )
     targets = scores.table.get("target")
-    if predictions and targets and summary.get("higher_is_better"):
-        majority = Counter(targets).most_common(1)[0][1] / len(targets)
-        if headline_of(scores.values) <= majority and len(set(targets)) > 1:
+    if predictions and targets and len(set(targets)) > 1:
+        classes = sorted(set(targets))
+        recalls = []
+        for t in classes:
+            mine = [p for p, y in zip(predictions, targets, strict=True) if y == t]
+            recalls.append(sum(p == t for p in mine) / len(mine))
+        balanced = math.fsum(recalls) / len(classes)
+        if balanced <= 1 / len(classes):
             return (
-                f"at chance (accuracy {headline_of(scores.values):.4f}, no better than always "
-                f"answering the most frequent class: {majority:.4f})"
+                f"at chance (balanced accuracy {balanced:.4f}: no better than guessing among "
+                f"the {len(classes)} classes)"
             )
     return None

@@ -255,7 +255,12 @@ def confirmation(report: dict[str, Any]) -> dict[str, Any]:
     to."""
     headline = report["search"]["headline"]
     delta = (report.get("sesoi") or {}).get("delta")
-    by_trial: dict[str, list[str]] = {"equivalent": [], "can't tell": [], "better": []}
+    by_trial: dict[str, list[str]] = {
+        "equivalent": [],
+        "less than δ": [],
+        "can't tell": [],
+        "better": [],
+    }
     for c in report.get("comparisons") or []:
         if c["metric"] != headline:
             continue
@@ -264,7 +269,7 @@ def confirmation(report: dict[str, Any]) -> dict[str, Any]:
         if kind == "worse by more than δ" or (kind == "worse" and delta is None):
             continue
         if kind.startswith("worse"):
-            by_trial["can't tell"].append(c["group"])  # worse, but maybe by less than δ
+            by_trial["less than δ"].append(c["group"])  # worse, but maybe by less than δ
         elif kind in ("equivalent", "same"):
             by_trial["equivalent"].append(c["group"])
         elif kind.startswith("better"):
@@ -332,6 +337,7 @@ def confirmation_text(k: dict[str, Any]) -> str:
     for kind, words in (
         ("better", "does worse than"),
         ("equivalent", "is equivalent to" if k.get("delta") is not None else "gives the same as"),
+        ("less than δ", "is better, but possibly by less than δ, than"),
         ("can't tell", "cannot be told apart from"),
     ):
         if k.get(kind):

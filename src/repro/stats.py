@@ -257,6 +257,14 @@ def seeds_needed(
     return MAX_SEEDS
 
 
+def samples_limit(delta: float, fixed_var: float) -> bool:
+    """Whether the evaluation samples' part of the variance alone keeps a difference of
+    ``delta`` from being resolved at 80% power, however many seeds."""
+    z = statistics.NormalDist()
+    factor = z.inv_cdf(0.5 + LEVEL / 2) + z.inv_cdf(POWER)
+    return (delta / factor) ** 2 <= fixed_var
+
+
 def _satterthwaite(variances: list[float], dfs: list[float]) -> float:
     """Welch-Satterthwaite degrees of freedom of a sum of variance components."""
     num = sum(variances) ** 2
@@ -293,14 +301,33 @@ def headline(scores: np.ndarray, weights: np.ndarray | None = None) -> np.ndarra
     )
 
 
+CHUNK = 200  # bootstrap replicates drawn at a time (memory: CHUNK x samples counts)
+
+
+def _sample_variance(s: Stratum, replicates: int, rng: np.random.Generator) -> float:
+    """The variance of a stratum's mean difference over bootstrap draws of its samples (the
+    same draws for both configs and every seed), scaled by n/(n-1); 0 with one sample."""
+    n = s.baseline.shape[1]
+    if n < 2:
+        return 0.0
+    found: list[np.ndarray] = []
+    for start in range(0, replicates, CHUNK):
+        draws = rng.multinomial(n, np.full(n, 1 / n), min(CHUNK, replicates - start))
+        with np.errstate(invalid="ignore"):
+            found.append(np.mean(headline(s.group, draws) - headline(s.baseline, draws), axis=1))
+    d = np.concatenate(found)
+    d = d[np.isfinite(d)]  # a draw with no sample of some class for some seed
+    return float(np.var(d)) * n / (n - 1) if len(d) > 1 else 0.0
+
+
 def two_level(strata: list[Stratum], replicates: int = REPLICATES) -> dict[str, Any]:
     """The paired two-level interval of ``group - baseline`` over seeds and evaluation
-    samples (each stratum, a fold, on its own; the overall difference is the mean over
-    every (seed, fold) pair).
+    samples (folds as strata; the difference is the mean over every (seed, fold) pair).
 
-    The seed part of the variance is the paired t-test's: the per-seed differences'
-    variance over the seeds. The sample part is bootstrapped: the samples drawn with
-    replacement -- the same draws for both configs and every seed, so what they share
+    The seed part of the variance is the paired t-test's over every (seed, fold) pair: the
+    per-pair differences' variance over the pairs (so fold-to-fold differences count as
+    seed-to-seed ones do). The sample part is bootstrapped, fold by fold: the samples drawn
+    with replacement -- the same draws for both configs and every seed, so what they share
     cancels -- the headline recomputed from the per-sample scores (a segmentation's mean
     over classes and images too), the variance of the mean difference over the draws,
     scaled by n/(n-1). The sum counts the seed-by-sample noise twice (a little wide, never
@@ -308,29 +335,16 @@ def two_level(strata: list[Stratum], replicates: int = REPLICATES) -> dict[str, 
     sample (or none varying) it is the paired t-test exactly."""
     rng = np.random.default_rng(BOOTSTRAP_KEY)
     pairs = sum(s.baseline.shape[0] for s in strata)
-    mean_diff, v_seed, v_sample = 0.0, 0.0, 0.0
-    parts: list[float] = []
-    dfs: list[float] = []
     per_seed: list[float] = []
     for s in strata:
-        n_seeds, n_samples = s.baseline.shape[:2]
-        share = n_seeds / pairs
-        d0 = headline(s.group) - headline(s.baseline)  # per seed
-        per_seed.extend(d0.tolist())
-        mean_diff += share * float(np.mean(d0))
-        seed = share**2 * (float(np.var(d0, ddof=1)) / n_seeds if n_seeds > 1 else 0.0)
-        sample = 0.0
-        if n_samples > 1:
-            draws = rng.multinomial(n_samples, np.full(n_samples, 1 / n_samples), replicates)
-            with np.errstate(invalid="ignore"):
-                d = np.mean(headline(s.group, draws) - headline(s.baseline, draws), axis=1)
-            d = d[np.isfinite(d)]  # a draw with no sample of some class for some seed
-            if len(d) > 1:
-                sample = share**2 * float(np.var(d)) * n_samples / (n_samples - 1)
-        v_seed, v_sample = v_seed + seed, v_sample + sample
-        parts += [seed, sample]
-        dfs += [n_seeds - 1, n_samples - 1]
-    df = _satterthwaite(parts, dfs)
+        per_seed.extend((headline(s.group) - headline(s.baseline)).tolist())
+    mean_diff = statistics.fmean(per_seed)
+    v_seed = statistics.variance(per_seed) / pairs if pairs > 1 else 0.0
+    parts, dfs = [v_seed], [pairs - 1]
+    for s in strata:
+        parts.append((s.baseline.shape[0] / pairs) ** 2 * _sample_variance(s, replicates, rng))
+        dfs.append(s.baseline.shape[1] - 1)
+    v_sample = sum(parts[1:])
     out = {
         "mean_diff": mean_diff,
         "per_seed": per_seed,
@@ -340,5 +354,5 @@ def two_level(strata: list[Stratum], replicates: int = REPLICATES) -> dict[str, 
         "samples": [int(s.baseline.shape[1]) for s in strata],
         "replicates": replicates,
     }
-    out.update(_test(mean_diff, math.sqrt(v_seed + v_sample), df))
+    out.update(_test(mean_diff, math.sqrt(v_seed + v_sample), _satterthwaite(parts, dfs)))
     return out

@@ -303,9 +303,11 @@ class SegmentationAugment:
     ``translate`` of the size, flipped horizontally half the time (the image bilinear, the
     mask nearest, the pixels moved in from outside :data:`IGNORE` in the mask) -- then the
     image alone brightened and contrasted by factors in ``1 ± brightness``, ``1 ±
-    contrast``. With ``elastic`` > 0, also deformed elastically: each pixel moved by up
-    to ``elastic`` pixels along a smooth random field (drawn on an ``elastic_grid`` ×
-    ``elastic_grid`` lattice, interpolated bicubically; image and mask by the same field).
+    contrast``. With ``elastic`` > 0, also deformed elastically along a smooth random
+    field: displacements drawn in ±``elastic`` output pixels on an ``elastic_grid`` ×
+    ``elastic_grid`` lattice and interpolated bicubically (which overshoots the lattice's
+    values a little between its points: up to about 1.3 × ``elastic``); image and mask by
+    the same field.
     Draws from the keyed ``generator`` only (``elastic`` 0 draws no more than before, so the
     default's bits are unchanged). Keeps the image's dtype: uint8 rounded and clamped to
     0..255, float32 (already mapped) neither."""
