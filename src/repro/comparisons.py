@@ -899,7 +899,8 @@ def plot_comparison(report: dict[str, Any], out_dir: Path) -> str | None:
     right.set_ylabel(f"{metric}, group − baseline")
     right.set_title("paired differences per seed; 0 and ±δ marked", fontsize=9)
     right.grid(alpha=0.3, axis="y")
-    right.legend(fontsize=7)
+    if right.get_legend_handles_labels()[1]:
+        right.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out_dir / "comparison.png", dpi=110)
     plt.close(fig)
