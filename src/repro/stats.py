@@ -28,7 +28,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy import stats as sps
+
+
+def _scipy_stats() -> Any:
+    """``scipy.stats``, imported on first use: its import costs about 1.7 s of CPU, which
+    the commands that only read a run directory (``repro evaluate``, ``predict``,
+    ``rerun``: they import :mod:`repro.report` for its YAML reader) need not pay."""
+    from scipy import stats
+
+    return stats
+
 
 LEVEL = 0.95  # of every interval
 POWER = 0.80  # of seeds_needed and resolvable
@@ -43,12 +52,12 @@ def t_quantile(p: float, df: float) -> float:
     """The ``p`` quantile of Student's t with ``df`` degrees of freedom."""
     if not 0.0 < p < 1.0:
         raise ValueError(f"t_quantile: p={p} is not in (0, 1)")
-    return float(sps.t.ppf(p, df))
+    return float(_scipy_stats().t.ppf(p, df))
 
 
 def t_two_sided_p(t: float, df: float) -> float:
     """P(|T| >= |t|) for Student's t with ``df`` degrees of freedom."""
-    return float(2.0 * sps.t.sf(abs(t), df))
+    return float(2.0 * _scipy_stats().t.sf(abs(t), df))
 
 
 def _critical(df: float, level: float = LEVEL) -> float:
@@ -107,7 +116,7 @@ def correlation(a: list[float], b: list[float]) -> float | None:
     """Pearson's r of the pairs; None where either side has no spread."""
     if len(a) < 2 or statistics.pstdev(a) == 0 or statistics.pstdev(b) == 0:
         return None
-    return float(sps.pearsonr(a, b).statistic)
+    return float(_scipy_stats().pearsonr(a, b).statistic)
 
 
 def paired(baseline: list[float], group: list[float]) -> dict[str, Any]:
@@ -136,7 +145,7 @@ def signs(baseline: list[float], group: list[float]) -> dict[str, Any]:
     higher = sum(g > b for b, g in zip(baseline, group, strict=True))
     lower = sum(g < b for b, g in zip(baseline, group, strict=True))
     n = higher + lower
-    p = float(sps.binomtest(higher, n).pvalue) if n else 1.0
+    p = float(_scipy_stats().binomtest(higher, n).pvalue) if n else 1.0
     return {"higher": higher, "lower": lower, "same": len(baseline) - n, "p_value": p}
 
 
@@ -148,7 +157,7 @@ def improvement(baseline: list[float], group: list[float]) -> dict[str, Any]:
     n = s["higher"] + s["lower"]
     if n == 0:
         return {"p": None, "ci95": None, "n": 0}
-    ci = sps.binomtest(s["higher"], n).proportion_ci(LEVEL, method="exact")
+    ci = _scipy_stats().binomtest(s["higher"], n).proportion_ci(LEVEL, method="exact")
     return {"p": s["higher"] / n, "ci95": [float(ci.low), float(ci.high)], "n": n}
 
 
@@ -175,7 +184,7 @@ def shape(values: list[float]) -> str | None:
     rejected at the 5% level (:data:`SHAPE_MIN` or more values with a spread), else None."""
     if len(values) < SHAPE_MIN or max(values) == min(values):
         return None
-    p = float(sps.shapiro(values).pvalue)
+    p = float(_scipy_stats().shapiro(values).pvalue)
     return f"bimodal or heavy-tailed (Shapiro-Wilk p = {p:.2g})" if p < ALPHA else None
 
 
@@ -185,8 +194,8 @@ def tost(mean_diff: float, se: float, df: float, delta: float) -> dict[str, Any]
     delta)``. ``p_value`` is the larger one-sided p."""
     half = _critical(df, 1.0 - 2 * ALPHA) * se
     if se > 0:
-        p_low = float(sps.t.sf((mean_diff + delta) / se, df))  # H0: diff <= -delta
-        p_high = float(sps.t.cdf((mean_diff - delta) / se, df))  # H0: diff >= +delta
+        p_low = float(_scipy_stats().t.sf((mean_diff + delta) / se, df))  # H0: diff <= -delta
+        p_high = float(_scipy_stats().t.cdf((mean_diff - delta) / se, df))  # H0: diff >= +delta
         p = max(p_low, p_high)
     else:
         p = 0.0 if abs(mean_diff) < delta else 1.0
