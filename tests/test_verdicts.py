@@ -51,7 +51,7 @@ def sweep(tmp_path, configs, seeds, per_sample=True, final_losses=None):
     return out
 
 
-def design(seed_sd, image_sd, shift, seeds=8, key=0):
+def design(seed_sd, image_sd, shift, key=0):
     """Per-image Dice around 0.7: a seed effect and an image effect each config shares,
     and the group's own effect (its shift, its seed and image noise)."""
     rng = np.random.default_rng(key)
