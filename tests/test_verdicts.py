@@ -348,3 +348,19 @@ def test_at_chance_is_a_balanced_accuracy_of_one_over_the_classes(tmp_path):
     guess = [0] * 90 + [1] * 5 + [0] * 5  # balanced accuracy (90/95 + 0/5) / 2 < 1/2
     assert run("guess", imbalanced, guess).startswith("at chance (balanced accuracy 0.4737")
     assert run("one", imbalanced, [0] * 100).startswith("one class everywhere (predicts class 0")
+
+
+def test_the_command_line_takes_sesoi_and_refuses_a_bad_one(tmp_path, capsys):
+    from repro.cli import main
+
+    out = sweep(tmp_path, design(0.001, 0.001, 0.0005), range(8))
+    assert main(["report", str(out), "--sesoi", "0.01", "--out", str(tmp_path / "r")]) == 0
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert report["sesoi"] == {"delta": 0.01, "source": "--sesoi"}
+    assert report["comparisons"][0]["outcome"] == "equivalent"
+    assert "equivalent within ±0.01" in capsys.readouterr().out
+    for bad in ("0", "-1", "nan", "x"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["report", str(out), "--sesoi", bad])
+        assert exit_.value.code == 2
+        assert f"--sesoi: {bad!r} is not a positive difference" in capsys.readouterr().err
