@@ -42,6 +42,7 @@ from typing import Any
 from repro import stats
 from repro.config import RELEVANT_ENVIRONMENT, RELEVANT_ON_CPU, RUN_CONTROL, flatten
 from repro.errors import ReproError
+from repro.files import load_yaml
 
 # Config keys that say where a run wrote and logged, or how runs are judged, not what it
 # computed (and the pooled seed and fold).
@@ -654,8 +655,6 @@ def environment_differences(base: list[Any], group: list[Any]) -> list[str]:
 def _config(jobs: list[Any]) -> dict[str, Any] | None:
     """The flattened resolved config (``.hydra/config.yaml``) of the first finished job of
     ``jobs`` that has one (else of any)."""
-    from repro.report import load_yaml
-
     for j in sorted(jobs, key=lambda j: j.status != "ok"):
         path = j.dir / ".hydra" / "config.yaml"
         if path.is_file():

@@ -13,7 +13,7 @@ import shlex
 from pathlib import Path
 from typing import IO, Any
 
-from repro.errors import ConfigError
+from repro.errors import ConfigError, ReproError
 
 TRACE_FILE = "trace.jsonl"  # repro.trace
 ENV_FILE = "env.json"  # repro.fingerprint
@@ -151,3 +151,19 @@ def resume_command(run_dir: str | Path | None = None) -> str:
     directory (``hydra.run.dir``), quoted to paste."""
     where = "" if run_dir is None else " " + shell_override("hydra.run.dir", str(run_dir))
     return "trainer.resume=auto" + where
+
+
+def load_yaml(
+    path: Path, remedy: str = "fix it, or move its job directory out of the sweep"
+) -> Any:
+    """A YAML file of a run directory as plain Python; one line naming it (and ``remedy``)
+    if it is damaged."""
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.to_container(OmegaConf.load(path))
+    except Exception as err:  # yaml's parser and scanner errors, undecodable bytes
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ReproError(
+            f"{path}: not valid YAML ({first}); the file is damaged: {remedy}."
+        ) from None

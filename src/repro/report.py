@@ -34,8 +34,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from repro.comparisons import compare_groups, format_comparisons, plot_comparison
 from repro.config import RUN_CONTROL
 from repro.errors import ReproError
@@ -48,6 +46,7 @@ from repro.files import (
     RUN_MARKERS,
     SUMMARY_FILE,
     finite_or_null,
+    load_yaml,
     parse_json,
 )
 from repro.sample_records import collapse, read_scores
@@ -202,19 +201,6 @@ def _job_status(job_dir: Path) -> tuple[str, dict[str, Any], str]:
         else "no summary: killed, still running, or never started"
     )
     return "incomplete", {}, detail
-
-
-def load_yaml(
-    path: Path, remedy: str = "fix it, or move its job directory out of the sweep"
-) -> Any:
-    """A YAML file as plain Python; one line naming it (and ``remedy``) if it is damaged."""
-    try:
-        return OmegaConf.to_container(OmegaConf.load(path))
-    except Exception as err:  # yaml's parser and scanner errors, undecodable bytes
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ReproError(
-            f"{path}: not valid YAML ({first}); the file is damaged: {remedy}."
-        ) from None
 
 
 def _job(job_dir: Path, num: int, source: int) -> Job | None:
