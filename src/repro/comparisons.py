@@ -450,7 +450,13 @@ def outcome(c: dict[str, Any]) -> str:
 
 
 def _robust_verdict(
-    robust: dict[str, Any], decision: dict[str, Any], mean: float, how: str, seeds: str, word: Any
+    robust: dict[str, Any],
+    decision: dict[str, Any],
+    kind: str,
+    mean: float,
+    how: str,
+    seeds: str,
+    word: Any,
 ) -> str:
     """The verdict where a mean misleads: P(B > A) and its exact interval decide (and,
     with several groups, the sign test after Holm's correction). No δ: with a collapsed or
@@ -465,12 +471,11 @@ def _robust_verdict(
     else:
         lo, hi = imp["ci95"]
         odds = f"P(B > A) = {imp['p']:.2f} [{lo:.2f}, {hi:.2f}] over {imp['n']} {seeds}"
-        lead = (
-            f"{word(True)}: {odds}" if lo > 0.5
-            else f"{word(False)}: {odds}" if hi < 0.5
-            else f"can't tell: {odds} includes 0.5"
-        )  # fmt: skip
-        if holm and (lo > 0.5 or hi < 0.5) and holm["p_value"] >= stats.ALPHA:
+        if kind != "can't tell":  # outcome(): the interval clears 0.5 (and Holm agrees)
+            lead = f"{word(lo > 0.5)}: {odds}"
+        elif lo <= 0.5 <= hi:
+            lead = f"can't tell: {odds} includes 0.5"
+        else:
             lead = (
                 f"can't tell: {odds}, but the sign test is not significant after Holm's "
                 f"correction over {holm['comparisons']} comparisons (p = {holm['p_value']:.2g})"
@@ -568,8 +573,9 @@ def verdict(c: dict[str, Any]) -> str:
             w += " (better)" if up == better else " (worse)"
         return w
 
+    kind = outcome(c)  # the rules; the sentence below only words them
     if robust:
-        return prefix + _robust_verdict(robust, decision, d, how, seeds, word)
+        return prefix + _robust_verdict(robust, decision, kind, d, how, seeds, word)
     mean = decision["mean_diff"]
     lo, hi = decision["ci95"]
     places = _decimals(mean, lo, hi)
@@ -580,10 +586,8 @@ def verdict(c: dict[str, Any]) -> str:
     corrected = f"; Holm-corrected over {holm['comparisons']} comparisons" if holm else ""
     p_text = f"p = {p:.2g}{corrected}" if p is not None else "no spread"
     delta = decision.get("sesoi")
-    tost = decision.get("tost")
-    tost_p = (holm or {}).get("tost_p_value", (tost or {}).get("p_value"))
-    if tost and tost_p is not None and tost_p < stats.ALPHA:
-        a, b = tost["ci90"]
+    if kind == "equivalent":
+        a, b = decision["tost"]["ci90"]
         trivial = (
             f"; it differs from 0 ({p_text}), by less than δ"
             if p is not None and p < stats.ALPHA
@@ -602,12 +606,12 @@ def verdict(c: dict[str, Any]) -> str:
         if sign
         else ""
     )
-    if p is not None and p < stats.ALPHA:
+    if kind != "can't tell":  # better, worse, higher or lower (by more than δ)
         beyond = ""
         if delta is not None:
             beyond = (
                 f", by more than δ = {delta:g}"
-                if lo > delta or hi < -delta
+                if kind.endswith("by more than δ")
                 else f", possibly by less than δ = {delta:g} (the interval reaches inside ±δ)"
             )
         return (
