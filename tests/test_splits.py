@@ -11,7 +11,8 @@ import pytest
 import torch
 import yaml
 
-from repro.data.splitting import assign_splits, keyed_unit
+from optional import require
+from repro.data.splitting import assign_splits, keyed_unit, limit_splits
 from repro.errors import DataError
 
 KW = {"seed": 1234, "val_fraction": 0.15, "test_fraction": 0.1, "path": "d", "purpose": "t"}
@@ -185,7 +186,7 @@ def _mask_folder(root, stems):
 
 
 def test_image_mask_folder_takes_the_keys_from_its_config(tmp_path, monkeypatch):
-    pytest.importorskip("PIL")
+    require("PIL")
     from repro.build import instantiate_target
     from repro.config import compose
     from repro.data import image_mask_folder
@@ -227,6 +228,41 @@ def test_image_mask_folder_takes_the_keys_from_its_config(tmp_path, monkeypatch)
     cfg.data.split_file = "missing.csv"
     with pytest.raises(DataError, match=r"data.split_file='missing.csv' is not a file"):
         instantiate_target(cfg.data, "data")
+
+
+def test_a_limit_keeps_the_same_files_of_each_split_and_moves_none(tmp_path):
+    """data.limit: at most N files of each split, by a keyed number: a larger limit keeps
+    the smaller one's files, no file changes split, and the folder reads them."""
+    names = [f"img{i:03d}" for i in range(200)]
+    whole = assign_splits(names, **KW)
+    split = split_of(names)
+    kept = {}
+    for limit in (5, 12, 1000):
+        parts = limit_splits(whole, names, limit, seed=KW["seed"], purpose="t")
+        kept[limit] = {names[i] for part in parts if part is not None for i in part.tolist()}
+        for part, full in zip(parts, whole, strict=True):
+            assert len(part) == min(limit, len(full)) and part.tolist() == sorted(part.tolist())
+            assert set(part.tolist()) <= set(full.tolist())  # no file changes split
+    assert kept[5] < kept[12] < kept[1000] == set(names)
+    assert {split[n] for n in kept[5]} == {"train", "val", "test"}
+    other = limit_splits(whole, names, 12, seed=KW["seed"] + 1, purpose="t")
+    assert {names[i] for part in other for i in part.tolist()} != kept[12]  # keyed by the seed
+    assert limit_splits(whole, names, None, seed=1, purpose="t") is whole
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(DataError, match=r"data.limit=.* is invalid; allowed: a whole"):
+            limit_splits(whole, names, bad, seed=1, purpose="t")
+    # through image_mask_folder: its splits, capped
+    require("PIL")
+    from repro.data import image_mask_folder
+
+    stems = [f"s{i:02d}" for i in range(30)]
+    _mask_folder(tmp_path / "d", stems)
+    base = {"path": str(tmp_path / "d"), "num_classes": 2, "image_size": 4, "seed": 3}
+    full, small = image_mask_folder(**base), image_mask_folder(**base, limit=4)
+    for s in ("train", "val"):
+        names_full = {p.stem for p in getattr(full, s).images}
+        names_small = {p.stem for p in getattr(small, s).images}
+        assert names_small <= names_full and len(names_small) == min(4, len(names_full))
 
 
 def _job(sweep, num, overrides, config, summary=None):

@@ -15,7 +15,7 @@ import torch
 
 from repro.data.intensity import Intensity
 from repro.data.splits import IGNORE, STATISTICS_SAMPLE, DataSplits, ImageList, Split
-from repro.data.splitting import assign_splits
+from repro.data.splitting import assign_splits, limit_splits
 from repro.errors import DataError, MissingPackage
 
 log = logging.getLogger("repro")
@@ -41,6 +41,7 @@ def image_folder(
     split_file: str | None = None,
     folds: int = 0,
     fold: int = 0,
+    limit: int | None = None,
 ) -> DataSplits:
     """Your own images, one sub-folder per class (``root/cat/1.png``, ``root/dog/7.jpg``);
     the folder names are the class names (``DataSplits.class_names``, in sorted order).
@@ -63,7 +64,9 @@ def image_folder(
     function, so they give the same bits.
 
     ``test_fraction``: a test split held out of the training files (the validation split
-    stays the one without it; trainer.test, repro evaluate). ``on_bad_image``: ``stop`` (a file that cannot be read stops the run with one line
+    stays the one without it; trainer.test, repro evaluate). ``limit``: at most that many
+    files of each split, the same ones everywhere (:func:`repro.data.splitting.limit_splits`):
+    a quick run on a large folder. ``on_bad_image``: ``stop`` (a file that cannot be read stops the run with one line
     naming it) or ``skip`` (it is replaced by the next readable file of its split, in file
     order -- the same one in any worker, process or resume -- and named in a warning)."""
     _pillow()
@@ -97,8 +100,9 @@ def image_folder(
             "image(s); it needs at least 2 class sub-folders with images in them."
         )
     labels = torch.tensor([label for _, label in files])
-    train_idx, val_idx, test_idx = assign_splits(
-        [f.relative_to(root).as_posix() for f, _ in files],
+    names = [f.relative_to(root).as_posix() for f, _ in files]
+    splits = assign_splits(
+        names,
         seed=seed,
         val_fraction=val_fraction,
         test_fraction=test_fraction,
@@ -109,6 +113,9 @@ def image_folder(
         split_file=split_file,
         folds=folds,
         fold=fold,
+    )
+    train_idx, val_idx, test_idx = limit_splits(
+        splits, names, limit, seed=seed, purpose="image-folder"
     )
 
     def split(index: torch.Tensor) -> Split:
@@ -611,6 +618,7 @@ def image_mask_folder(
     folds: int = 0,
     fold: int = 0,
     class_names: list[str] | None = None,
+    limit: int | None = None,
 ) -> DataSplits:
     """Your own segmentation data: ``path/images/<stem>.<ext>`` and one mask a stem,
     ``path/masks/<stem>.png`` (or ``.tif``, ``.tiff``, ``.npy``: :func:`read_mask`); masks
@@ -625,7 +633,8 @@ def image_mask_folder(
     (``group_regex`` is searched in the stem; ``group_csv`` and ``split_file`` name files by
     their stems), so adding a file moves no other; ``test_fraction`` holds a test split out
     of the training files. ``class_names``: each class's name, in metric names
-    (``val_dice_nucleus``) and records."""
+    (``val_dice_nucleus``) and records. ``limit``: at most that many files of each split
+    (:func:`repro.data.splitting.limit_splits`)."""
     _pillow()
     _check_channels(channels)
     mapping = Intensity(intensity)
@@ -641,7 +650,7 @@ def image_mask_folder(
             f"data.val_fraction={val_fraction} is invalid; allowed: a number in (0, 1)."
         )
     stems, images, masks = image_mask_pairs(path, "data.path")
-    train_idx, val_idx, test_idx = assign_splits(
+    splits = assign_splits(
         stems,
         seed=seed,
         val_fraction=val_fraction,
@@ -653,6 +662,9 @@ def image_mask_folder(
         split_file=split_file,
         folds=folds,
         fold=fold,
+    )
+    train_idx, val_idx, test_idx = limit_splits(
+        splits, stems, limit, seed=seed, purpose="image-mask-folder"
     )
 
     def split(idx: torch.Tensor) -> LazyImageMasks:

@@ -126,6 +126,38 @@ def assign_splits(
 _WORD = {"train": "training", "val": "validation", "test": "test"}
 
 
+def limit_splits(
+    splits: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    names: Sequence[str],
+    limit: int | None,
+    *,
+    seed: int,
+    purpose: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``data.limit``: at most ``limit`` files of each split, for a quick run on a large
+    folder; None: all. The files kept are those with the smallest keyed number
+    (``keyed_unit(seed, purpose + "/limit", name)``), so they are the same on every machine
+    and in every process, a larger limit keeps them all and adds others, and no file changes
+    split (the splits are the whole folder's: a limited run never validates on a file the
+    full run trains on)."""
+    if limit is None:
+        return splits
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise DataError(
+            f"data.limit={limit!r} is invalid; allowed: a whole number >= 1 (files kept from "
+            "each split), or null for all."
+        )
+
+    def keep(index: torch.Tensor | None) -> torch.Tensor | None:
+        if index is None or len(index) <= limit:
+            return index
+        u = [(keyed_unit(seed, purpose + "/limit", names[i]), i) for i in index.tolist()]
+        return torch.tensor(sorted(i for _, i in sorted(u)[:limit]), dtype=torch.int64)
+
+    train, val, test = splits
+    return keep(train), keep(val), keep(test)  # type: ignore[return-value]
+
+
 def _nfc(name: str) -> str:
     return unicodedata.normalize("NFC", name)
 
