@@ -682,13 +682,37 @@ def test_running_stats_refuse_what_they_cannot_reconcile():
         for m in (model.a, model.b)
     )
     stats = RunningStats(model)
-    with pytest.raises(RuntimeError, match="b did not run"):
+    with stats.capture() as recorded:  # b never ran: left out, named
+        model(torch.randn(4, 3))
+    assert stats.idle == ["b"] and [name for name, _ in stats.layers] == ["a"]
+    assert [t.numel() for t in recorded] == [6]  # a's mean and variance only
+    stats.update([recorded])
+    assert int(model.a.num_batches_tracked) == 1 and int(model.b.num_batches_tracked) == 0
+    kept_a = {k: getattr(model.a, k) for k in kept_a}
+    with pytest.raises(RuntimeError, match="layer b did not run in the first training forward"):
         with stats.capture():
-            model(torch.randn(4, 3))
+            model(torch.randn(4, 3), use_b=True)
     # the layers got their own buffers and momentum back, even from a forward that failed
     for layer, buffers in ((model.a, kept_a), (model.b, kept_b)):
         assert all(getattr(layer, k) is v for k, v in buffers.items())
         assert layer.momentum == 0.1
+
+    class Sometimes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.BatchNorm1d(3), nn.BatchNorm1d(3)
+
+        def forward(self, x, skip_b=False):
+            x = self.a(x)
+            return x if skip_b else self.b(x)
+
+    sometimes = Sometimes()
+    stats = RunningStats(sometimes)
+    with stats.capture():
+        sometimes(torch.randn(4, 3))
+    with pytest.raises(RuntimeError, match="b ran in the first training forward but not"):
+        with stats.capture():
+            sometimes(torch.randn(4, 3), skip_b=True)
     with pytest.raises(ValueError):
         with stats.capture():
             raise ValueError("the forward failed")

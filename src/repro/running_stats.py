@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import partial
 from typing import Any
 
 import torch
@@ -51,10 +50,15 @@ class RunningStats:
             if m.running_mean is not None:
                 self.layers.append((name, m))
         self._norms = [m for _, m in self.layers]
+        self._index = {id(m): i for i, m in enumerate(self._norms)}
+        # layers the first training forward did not run: left out (see capture())
+        self.idle: list[str] = []
+        self._idle_ids: dict[int, str] = {}
+        self._first = True
         self._ran: list[bool] | None = None
         # registered once: they count calls only inside capture() (a no-op in evaluation)
-        for i, m in enumerate(self._norms):
-            m.register_forward_pre_hook(partial(self._count, i))
+        for m in self._norms:
+            m.register_forward_pre_hook(self._count)
 
     def __bool__(self) -> bool:
         return bool(self.layers)
@@ -65,8 +69,12 @@ class RunningStats:
         batch means and unbiased variances the layers' kernels computed, as one flat tensor
         per dtype and device (the layers' means, then their variances, in module order,
         whatever order the forward calls them in): few tensors for the ranks to exchange.
-        Raises if a layer runs twice or not at all: its running statistics could not be
-        reconciled."""
+
+        A layer the first captured forward does not run is a layer the model never runs (an
+        encoder deeper than its decoder reads: smp's ``encoder_depth`` below 5): it is left
+        out from then on, named in a warning, its buffers as initialised. Raises if a layer
+        runs twice, or runs in one forward and not in another (a layer that runs on some
+        micro-batches only): its running statistics could not be reconciled."""
         recorded: list[torch.Tensor] = []
         if not self.layers:
             yield recorded
@@ -92,13 +100,47 @@ class RunningStats:
                 b["running_mean"], b["running_var"], b["num_batches_tracked"] = mean, var, tracked
                 m.__dict__["momentum"] = momentum
         missing = [name for (name, _), r in zip(self.layers, ran, strict=True) if not r]
+        first, self._first = self._first, False
+        if missing and first:
+            recorded += self._leave_out(ran, scratch)
+            return
         if missing:
             raise RuntimeError(
-                f"RunningStats: BatchNorm layer(s) {', '.join(missing)} did not run in this "
-                "training forward; a layer that runs on some micro-batches only cannot have "
-                "its running statistics reconciled in a fixed order."
+                f"RunningStats: BatchNorm layer(s) {', '.join(missing)} ran in the first "
+                "training forward but not in this one; a layer that runs on some micro-batches "
+                "only cannot have its running statistics reconciled in a fixed order: make "
+                "the model run every layer on every micro-batch."
             )
         recorded += flats
+
+    def _leave_out(
+        self, ran: list[bool], scratch: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> list[torch.Tensor]:
+        """After the first captured forward: the layers it did not run become idle (named in
+        a warning, their buffers left as they are); returns that forward's statistics in the
+        layout of the layers that ran."""
+        import logging
+
+        kept = [i for i, r in enumerate(ran) if r]
+        idle = [self.layers[i][0] for i, r in enumerate(ran) if not r]
+        self._idle_ids = {id(self._norms[i]): self.layers[i][0] for i, r in enumerate(ran) if not r}
+        self.idle = idle
+        stats = [scratch[i] for i in kept]
+        self.layers = [self.layers[i] for i in kept]
+        self._norms = [m for _, m in self.layers]
+        self._index = {id(m): i for i, m in enumerate(self._norms)}
+        shown = ", ".join(idle[:4]) + (f" and {len(idle) - 4} more" if len(idle) > 4 else "")
+        logging.getLogger("repro").warning(
+            "BatchNorm layer(s) %s never ran in the training forward: left out of the running "
+            "statistics (theirs stay as initialised; their parameters get zero gradients). If the "
+            "model builds layers it does not use (smp: encoder_depth below 5), that is all; "
+            "delete them from the model to save their memory.",
+            shown,
+        )
+        out = []
+        for idx, _ in self._layout():  # the flat tensors of the layers that ran
+            out.append(torch.cat([stats[i][0] for i in idx] + [stats[i][1] for i in idx]))
+        return out
 
     def _layout(self) -> list[tuple[list[int], list[int]]]:
         """The layers grouped by their buffers' dtype and device: ``(layer indices, sizes)``
@@ -132,10 +174,18 @@ class RunningStats:
             flats.append(torch.zeros(2 * sum(sizes), dtype=rm.dtype, device=rm.device))
         return self._split(flats, layout), flats
 
-    def _count(self, i: int, module: nn.Module, args: tuple[Any, ...]) -> None:
+    def _count(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         ran = self._ran
         if ran is None or not module.training:
             return
+        i = self._index.get(id(module))
+        if i is None:  # idle: it did not run in the first training forward
+            raise RuntimeError(
+                f"RunningStats: BatchNorm layer {self._idle_ids.get(id(module), '?')} did not "
+                "run in the first training forward but runs in this one; a layer that runs on "
+                "some micro-batches only cannot have its running statistics reconciled in a "
+                "fixed order: make the model run every layer on every micro-batch."
+            )
         if ran[i]:
             raise RuntimeError(
                 f"RunningStats: BatchNorm layer {self.layers[i][0]} ran twice in one forward; "
