@@ -42,19 +42,19 @@ install:  # same, into $(PY)
 	$(install_into)
 endif
 
-add: ## install a package (a model zoo: PKG=timm) beside the installed torch, never replacing it
+add: ## install a package (a zoo: PKG=timm) beside the installed torch, never replacing it; it must import
 	@test -n "$(PKG)" || { echo "make add: give the package, e.g. make add PKG=timm" >&2; exit 2; }
-	@pins=$$(mktemp) && { $(PY) -c "import torch; print('torch==' + torch.__version__)" > $$pins \
-	  || { echo "make add: no torch in $(PY): run make install first" >&2; rm -f $$pins; exit 2; }; } && \
-	echo "pip install $(PKG), torch pinned at $$(cut -c8- $$pins)" && \
-	$(PY) -m pip install -c $$pins $(PKG); status=$$?; rm -f $$pins; exit $$status
+	@$(PY) scripts/add.py $(PKG)
 
-new: install ## start a project of your own: model, data, task, preset and its test (NAME=mylab)
+new: install ## start a project of your own: model, data, task, preset and its test (NAME=mylab [TASK=segmentation])
 	@test -n "$(NAME)" || { echo "make new: give the name, e.g. make new NAME=mylab" >&2; exit 2; }
-	$(PY) -m repro new $(NAME)
+	$(PY) -m repro new $(NAME) --task $(or $(TASK),classification)
 
+# the default run (no ARGS) ends with whether this machine is the one the README's digest
+# was measured on (benchmarks/default-run.json): a match to expect, or why not
 train: install ## train the default ConvNet on the synthetic data, strict mode (ARGS="key=value ...")
 	$(PY) train.py $(ARGS)
+	@$(if $(ARGS),true,$(PY) scripts/published_digest.py)
 
 test: install ## run the whole test suite, as CI does (CUDA tests skip without a GPU)
 	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)

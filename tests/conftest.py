@@ -335,9 +335,11 @@ NEEDS = {
 def compose_option(group: str, option: str, conf_dir: Path = CONF_DIR) -> str:
     """Compose and validate one option of ``group`` from ``conf_dir``: "ok", or one line
     saying it was skipped because its ``_target_`` needs an optional package (declared in
-    pyproject.toml) that is not installed. A real config error raises."""
+    pyproject.toml) that is not installed, or whose import fails (said). A real config error
+    raises."""
+    from optional import usable
     from repro.config import compose
-    from repro.errors import MissingPackage
+    from repro.errors import ConfigError, MissingPackage
 
     extra = NEEDS.get(f"{group}={option}", [])
     if group == "hparams_search" and (conf_dir / "experiment" / f"{option}.yaml").is_file():
@@ -346,7 +348,13 @@ def compose_option(group: str, option: str, conf_dir: Path = CONF_DIR) -> str:
     try:
         compose([selected, *extra], conf_dir)
     except MissingPackage as err:
-        return f"skipped {group}={option}: needs {err.package}"
+        why = usable(err.package)  # installed but broken: say so (a fork's environment)
+        broken = f" ({why})" if why and why != "not installed" else ""
+        return f"skipped {group}={option}: needs {err.package}{broken}"
+    except ConfigError as err:  # a fork's data on its own disk: not on this machine
+        if not re.fullmatch(r"config error: data\.path=.* does not exist; .*", str(err)):
+            raise
+        return f"skipped {group}={option}: its data.path is not on this machine"
     return "ok"
 
 

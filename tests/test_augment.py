@@ -3,7 +3,6 @@ from np.random, random and torch.rand, the segmentation preset -- keyed per samp
 same bits repeated, with 0, 2 or 3 loader workers, after a SIGKILL mid-epoch and a resume,
 and with 1 or 2 processes; a pipeline no key reaches refused before anything is written."""
 
-import importlib.util
 import random
 import signal
 import time
@@ -21,13 +20,11 @@ from conftest import (
     train_here,
     with_tests_on_path,
 )
+from optional import require
 from repro.config import check_overrides, compose
 from repro.data import CropFlip, KeyedPipeline, RandomResizedCrop, SegmentationAugment
 from repro.data.augment import CenterResize, Resize, keyed_global_state
 from repro.errors import ConfigError
-
-HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
-HAS_ALBUMENTATIONS = importlib.util.find_spec("albumentations") is not None
 
 # a folder of 72 PNG and JPEG files of 12-24 x 14-26 pixels, read lazily at their own size;
 # 4 steps an epoch (64 of the 65 training files), so step 7 is mid-epoch 1
@@ -70,7 +67,7 @@ PIPELINES = {
         "trainer.log_every=1",
     ],
 }
-NEEDS = {"torchvision": HAS_TORCHVISION, "albumentations": HAS_ALBUMENTATIONS}
+OPTIONAL = ("torchvision", "albumentations")  # skipped where not usable
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +82,10 @@ def folders(tmp_path_factory):
 
 
 def overrides(kind: str, folders) -> list[str]:
+    """On the CPU on every machine: two processes need no two GPUs there."""
     if kind == "segmentation":
-        return [*PIPELINES[kind], f"data.path={folders['masks']}"]
-    return [*FOLDER, f"data.path={folders['images']}", *PIPELINES[kind]]
+        return ["device=cpu", *PIPELINES[kind], f"data.path={folders['masks']}"]
+    return ["device=cpu", *FOLDER, f"data.path={folders['images']}", *PIPELINES[kind]]
 
 
 def steps_done(run_dir) -> int:
@@ -100,8 +98,8 @@ def steps_done(run_dir) -> int:
 def test_any_pipeline_gives_the_same_bits_repeated_with_any_workers_resumed_and_on_two_processes(
     kind, folders, tmp_path, monkeypatch
 ):
-    if not NEEDS.get(kind, True):
-        pytest.skip(f"needs {kind} (make add PKG={kind})")
+    if kind in OPTIONAL:
+        require(kind, f"make add PKG={kind}")
     monkeypatch.syspath_prepend(str(CONF_DIR.parent / "tests"))  # augment_pipelines
     args = overrides(kind, folders)
     ref = train_here(tmp_path / "ref", *args, "loader=single")

@@ -2,6 +2,7 @@
 
 import shlex
 import shutil
+import sys
 
 import pytest
 import torch
@@ -55,10 +56,11 @@ OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.ya
 @pytest.mark.parametrize("group, option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_every_option_of_every_group_composes(group, option):
     """Each option found in conf/ (a fork's too) composes and validates; one whose package is
-    an optional one (pyproject.toml) not installed here is skipped, in one line."""
+    an optional one (pyproject.toml) not usable here -- not installed, or its import fails --
+    is skipped, in one line."""
     result = compose_option(group, option)
     if result != "ok":
-        pytest.skip(f"{result.removeprefix('skipped ')}, an optional package not installed")
+        pytest.skip(f"{result.removeprefix('skipped ')}: an optional package, not usable here")
 
 
 def test_a_forks_options_compose_and_one_needing_a_missing_package_is_skipped(
@@ -93,6 +95,43 @@ def test_a_forks_options_compose_and_one_needing_a_missing_package_is_skipped(
     (conf / "model" / "tiny.yaml").write_text("_target_: forked_project.TinyNet\nwdth: 4\n")
     with pytest.raises(ConfigError, match="model.wdth is not an argument"):
         compose_every_option("model", conf)
+
+
+def test_an_installed_package_that_raises_on_import_is_named_with_its_own_message(
+    tmp_path, monkeypatch
+):
+    """A ``_target_`` whose package is installed but raises on import (a torchvision built for
+    another torch: ``RuntimeError: operator torchvision::nms does not exist``) is named as
+    broken, with the exception's own message -- not "check the dotted path"; declared optional
+    (pyproject.toml), it is a MissingPackage, so the compose-every-option check skips it and
+    says why. A name missing from a module that imports is still "check the dotted path"."""
+    raising = 'raise RuntimeError("operator x::y does not exist")\n'
+    for package in ("brokenzoo", "torchvision", "halfzoo"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("" if package == "halfzoo" else raising)
+    (tmp_path / "halfzoo" / "models.py").write_text(raising)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for module in [m for m in sys.modules if m.split(".")[0] == "torchvision"]:
+        monkeypatch.delitem(sys.modules, module)  # a real one imported before: the stub here
+    with pytest.raises(ConfigError) as err:
+        repro_compose(["model._target_=brokenzoo.Net"])
+    message = str(err.value)
+    assert "cannot be imported (RuntimeError: operator x::y does not exist)" in message
+    assert "brokenzoo is installed but its import fails" in message
+    assert "check the dotted path" not in message and not isinstance(err.value, MissingPackage)
+    with pytest.raises(ConfigError, match="halfzoo is installed but importing halfzoo.models"):
+        repro_compose(["model._target_=halfzoo.models.Net"])
+    declared = {**repro.config.optional_packages(), "brokenzoo": ("brokenzoo", "zoo")}
+    monkeypatch.setattr(repro.config, "optional_packages", lambda: declared)
+    with pytest.raises(MissingPackage, match=r"\(make add PKG=brokenzoo checks it imports\)"):
+        repro_compose(["model._target_=brokenzoo.Net"])
+    with pytest.raises(MissingPackage, match=r"must match torch's \(make add PKG=torchvision"):
+        repro_compose(["augment=torchvision"])
+    result = compose_option("augment", "torchvision")
+    assert result.startswith("skipped augment=torchvision: needs torchvision (installed but")
+    assert result.endswith("import fails: RuntimeError: operator x::y does not exist)")
+    with pytest.raises(ConfigError, match=r"\(AttributeError: .*ConvNett.*check the dotted path"):
+        repro_compose(["model._target_=repro.models.ConvNett"])
 
 
 def test_config_hash_tracks_values():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import CONF_DIR, SHORT, cuda
+from optional import require
 from repro.compare import compare_dirs
 from repro.config import compose
 from repro.doctor import run_doctor
@@ -275,7 +276,7 @@ def test_folder_images_of_their_own_sizes_augmented_on_cuda_give_one_digest(
     from conftest import mixed_image_folder
 
     if augment == "torchvision":
-        pytest.importorskip("torchvision")
+        require("torchvision", "make add PKG=torchvision")
     folder = mixed_image_folder(tmp_path / "images")
     args = [
         "device=cuda",

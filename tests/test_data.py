@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import mixed_image_folder, run_train, train_here
+from optional import require
 from repro.data import (
     CropFlip,
     DataSplits,
@@ -129,7 +130,7 @@ def _write_images(root, classes, per_class):
 
 
 def test_image_folder_reads_class_folders(tmp_path):
-    pytest.importorskip("PIL")
+    require("PIL")
     _write_images(tmp_path, ["cat", "dog", "emu"], 5)
     d = image_folder(str(tmp_path), image_size=16, val_fraction=0.2, seed=0, in_memory=True)
     assert isinstance(d, DataSplits) and d.num_classes == 3 and d.image_size == 16
@@ -154,7 +155,7 @@ def test_image_folder_reads_class_folders(tmp_path):
 
 
 def test_image_folder_names_its_classes_and_reads_grayscale_with_channels_1(tmp_path):
-    pytest.importorskip("PIL")
+    require("PIL")
     _write_images(tmp_path, ["cat", "dog", "emu"], 4)
     gray = image_folder(str(tmp_path), image_size=16, val_fraction=0.25, seed=0, channels=1)
     rgb = image_folder(str(tmp_path), image_size=16, val_fraction=0.25, seed=0, in_memory=True)
@@ -170,7 +171,7 @@ def test_image_folder_names_its_classes_and_reads_grayscale_with_channels_1(tmp_
 
 
 def test_image_folder_errors_name_the_path(tmp_path):
-    pytest.importorskip("PIL")
+    require("PIL")
     with pytest.raises(DataError, match="data.path=.*not a directory"):
         image_folder(str(tmp_path / "missing"))
     (tmp_path / "empty").mkdir()
@@ -340,7 +341,7 @@ def test_loader_on_device_gives_the_same_bits_as_the_worker_loader(tmp_path):
 def test_an_image_too_large_to_decode_names_its_file(tmp_path, monkeypatch):
     """PIL refuses a decompression bomb with its own exception type: still one line
     naming the file."""
-    pytest.importorskip("PIL")
+    require("PIL")
     from PIL import Image
 
     from repro.data import read_image
@@ -354,7 +355,7 @@ def test_an_image_too_large_to_decode_names_its_file(tmp_path, monkeypatch):
 def test_a_lazy_split_reads_files_when_fetched_and_stops_or_skips_a_bad_one(tmp_path):
     """stop: one line naming the file; skip: the next readable file (and its label) takes
     its place, the same one whoever reads it, named once in a warning."""
-    pytest.importorskip("PIL")
+    require("PIL")
     from repro.data import LazyImages, read_image
 
     root = mixed_image_folder(tmp_path / "images", corrupt=("03.png",))
@@ -398,7 +399,7 @@ MIXED = [
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory):
     """The mixed folder, and the run that reads it up front in the main process."""
-    pytest.importorskip("PIL")
+    require("PIL")
     base = tmp_path_factory.mktemp("mixed")
     root = mixed_image_folder(base / "images", corrupt=("05.png", "10.jpg"))
     args = [*MIXED, f"data.path={root}"]
@@ -478,7 +479,7 @@ def test_a_skipped_image_is_logged_into_the_run_directory_only_once_it_is_the_ru
 def test_skip_passes_over_symlinks_that_lead_nowhere_and_folders_named_like_images(tmp_path):
     """A dangling symlink, a symlink loop and a directory called x.png are bad files, not a
     failing disk: data.on_bad_image=skip skips them (each named once), stop names them."""
-    pytest.importorskip("PIL")
+    require("PIL")
     root = mixed_image_folder(tmp_path / "images")
     (root / "ant" / "90.png").symlink_to(root / "ant" / "gone.png")  # dangling
     (root / "bee" / "91.png").symlink_to(root / "bee" / "91.png")  # a loop
@@ -503,7 +504,7 @@ def test_an_image_above_pillows_pixel_limit_is_one_warning_naming_it(tmp_path, m
     image is read, and the warning is one line of the run's log naming the file, not PIL's."""
     import warnings
 
-    pytest.importorskip("PIL")
+    require("PIL")
     from PIL import Image
 
     from repro.data import read_image
@@ -524,7 +525,7 @@ def test_an_exif_orientation_is_named_once_and_the_pixels_are_read_as_stored(
 ):
     """A phone's JPEG says "rotate 90° clockwise" in its EXIF: the pixels are read as stored
     (the grid a mask of it was saved on), and the first such file is named in one warning."""
-    Image = pytest.importorskip("PIL.Image")
+    Image = require("PIL.Image")
     import repro.data.folders as folders
     from repro.data import read_image
 
@@ -603,7 +604,7 @@ def test_loader_auto_on_cuda_leaves_a_host_augmentation_and_a_lazy_folder_to_wor
 ):
     choice = chosen(monkeypatch, *SMALL_RUN, "augment=imagenet", "data.image_size=24")
     assert choice.name == "multi" and "augment.train" in choice.why
-    pytest.importorskip("PIL")
+    require("PIL")
     root = mixed_image_folder(tmp_path / "images")
     choice = chosen(monkeypatch, *MIXED, f"data.path={root}")
     assert choice.name == "multi" and "read from disk per sample" in choice.why

@@ -18,6 +18,7 @@ from conftest import (
     train_here,
     user_env,
 )
+from optional import require
 from repro.config import compose
 from repro.data import synthetic, synthetic_shapes
 from repro.determinism import apply_determinism
@@ -115,7 +116,7 @@ def test_repro_predict_writes_the_same_bytes_twice_and_refuses_to_overwrite(test
 
 
 def test_a_grayscale_folder_run_records_its_class_names_and_predict_writes_them(tmp_path):
-    pytest.importorskip("PIL")
+    require("PIL")
     from PIL import Image
 
     for c, name in enumerate(("cat", "dog")):

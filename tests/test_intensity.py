@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import train_here
+from optional import require
 from repro.data import (
     CenterResize,
     CropFlip,
@@ -28,8 +29,8 @@ from repro.data import (
 from repro.data.splits import stack_images
 from repro.errors import ConfigError, DataError
 
-Image = pytest.importorskip("PIL.Image")
-tifffile = pytest.importorskip("tifffile")
+Image = require("PIL.Image")
+tifffile = require("tifffile")
 
 
 def twelve_bit(shape, seed=0):
@@ -340,7 +341,7 @@ def test_the_shipped_transforms_take_float32_and_are_keyed(transform):
     image, mask = float_sample()
     pipeline = KeyedPipeline(transform, seed=11)
     out, out_mask = pipeline(image, mask, 0, 3)
-    assert out.dtype == torch.float32 and out.shape == (2, 16, 16) and out_mask.shape == (16, 16)
+    assert out.dtype == torch.float32 and out.shape == (3, 16, 16) and out_mask.shape == (16, 16)
     again = pipeline(image.clone(), mask.clone(), 0, 3)
     assert torch.equal(again[0], out) and torch.equal(again[1], out_mask)
     if type(transform) not in (Resize, CenterResize):  # the random ones
@@ -373,8 +374,9 @@ def test_8_bit_beside_deeper_images_under_auto_is_one_line():
 
 
 def test_torchvision_v2_recipes_run_on_float32_inputs():
-    v2 = pytest.importorskip("torchvision.transforms.v2")
+    v2 = require("torchvision.transforms.v2", "make add PKG=torchvision")
     image, mask = float_sample()
+    image = torch.cat([image, image[:1]])  # 3 channels: v2's ColorJitter takes 1 or 3
     recipe = v2.Compose(
         [
             v2.RandomResizedCrop(16, antialias=True),

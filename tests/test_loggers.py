@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import CONF_DIR, SMALL_DATA, train_here
+from optional import usable
 from repro.config import check_overrides, compose
 from repro.errors import ConfigError
 from repro.loggers import Logger
@@ -25,7 +26,7 @@ LOGGED = [
 ]
 # wandb is not among the dev extras (tensorboard and mlflow are): its part runs where it is
 # installed (pip install -e '.[wandb]')
-HAS_WANDB = importlib.util.find_spec("wandb") is not None
+HAS_WANDB = usable("wandb") is None  # installed and importable
 CHOSEN = ["csv", "tensorboard", "mlflow", *(["wandb"] if HAS_WANDB else [])]
 KILLED_AT = 5  # after the checkpoint of step 3 and the evaluation (and flush) of step 4
 

@@ -8,13 +8,13 @@ transform's error in a loader worker keeps its message and the sample.
 Built through ``repro.build.build_data`` (the same call train.py makes), on a folder of 72
 images of mixed sizes in 3 classes: no training, except the one worker test."""
 
-import importlib.util
 import time
 
 import pytest
 import torch
 
 from conftest import CONF_DIR, mixed_image_folder, train_here
+from optional import require
 from repro.build import build_data
 from repro.config import compose
 from repro.data.loading import KeyedBatches
@@ -70,8 +70,7 @@ def test_a_private_generator_behind_a_keyed_coin_is_refused_under_every_seed(fol
 
 
 def test_torchvision_random_apply_around_a_private_generator_is_refused(folder):
-    if importlib.util.find_spec("torchvision") is None:
-        pytest.skip("needs torchvision (make add PKG=torchvision)")
+    require("torchvision", "make add PKG=torchvision")
     message = refused(
         folder,
         "augment.train._target_=torchvision.transforms.v2.Compose",

@@ -9,6 +9,7 @@ import pytest
 
 import launch
 from conftest import CONF_DIR, TINY, repro, train_cmd, user_env
+from optional import require
 from repro.config import check_overrides
 from repro.errors import ConfigError, MissingPackage
 
@@ -16,7 +17,7 @@ from repro.errors import ConfigError, MissingPackage
 @pytest.fixture(scope="module")
 def search(tmp_path_factory):
     """Three trials of the default run's search preset, at a tiny size."""
-    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install -e '.[dev]'")
+    require("hydra_plugins.hydra_optuna_sweeper", "pip install -e '.[dev]'")
     cwd = tmp_path_factory.mktemp("search")
     sweep_dir = cwd / "search"
     proc = launch.run(

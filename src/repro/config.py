@@ -476,7 +476,10 @@ def _locate_target(key: str, dotted: str) -> Any:
     """The object a ``_target_`` names, or one line saying it cannot be imported. A package
     that is not installed is :class:`MissingPackage` when ``pyproject.toml`` declares it
     optional (an extra: the tests then skip the option), else a plain config error -- a
-    misspelt module looks the same, and is not installed on anyone's advice."""
+    misspelt module looks the same, and is not installed on anyone's advice. An installed
+    package whose import raises (a torchvision built for another torch) is named as broken,
+    with the exception's own message: no "check the dotted path" that would send the user
+    hunting a typo (and :class:`MissingPackage` when optional, so the tests skip it too)."""
     try:
         return locate(dotted)
     except ModuleNotFoundError as err:
@@ -502,10 +505,54 @@ def _locate_target(key: str, dotted: str) -> Any:
             "add PKG=...) and list it in pyproject.toml's optional-dependencies."
         ) from None
     except Exception as err:
-        raise ConfigError(
-            f"config error: {key}._target_={dotted!r} cannot be imported "
-            f"({type(err).__name__}); check the dotted path and that its package is installed."
-        ) from None
+        cause = f"{type(err).__name__}: {_first_line(err)}"
+        broken = _failing_import(dotted)
+        if broken is None:  # every module of the path imports: a name that is not there
+            raise ConfigError(
+                f"config error: {key}._target_={dotted!r} cannot be imported ({cause}); "
+                "check the dotted path."
+            ) from None
+        package = broken.split(".")[0]
+        name, extra = optional_packages().get(package, (package, None))
+        advice = (
+            f"its build must match torch's (make add PKG={name} explains)"
+            if package in TORCH_BUILT
+            else f"reinstall it beside the installed torch (make add PKG={name} checks it imports)"
+        )
+        fails = "its import fails" if broken == package else f"importing {broken} fails"
+        message = (
+            f"config error: {key}._target_={dotted!r} cannot be imported ({cause}): {package} "
+            f"is installed but {fails}; {advice}."
+        )
+        if extra is not None:  # an optional package: the tests skip the option, as if absent
+            raise MissingPackage(message, package) from None
+        raise ConfigError(message) from None
+
+
+# Packages built against one torch build (their compiled operators): a CPU torch needs their
+# +cpu build, a CUDA torch the build for its CUDA.
+TORCH_BUILT = ("torchvision", "torchaudio")
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def _failing_import(dotted: str) -> str | None:
+    """The first module of ``dotted`` whose import raises (an installed package that is
+    broken: built for another torch, a dependency of the wrong version), or None when each
+    imports and the path names something that is not there."""
+    parts = dotted.split(".")
+    for i in range(1, len(parts) + 1):
+        module = ".".join(parts[:i])
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as err:
+            return None if err.name == module else module
+        except Exception:
+            return module
+    return None
 
 
 # Distribution names whose import name is another (the rest: "-" becomes "_").
