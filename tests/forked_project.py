@@ -87,3 +87,25 @@ class TinySegNet(nn.Module):
 
     def forward(self, x):
         return self.body(x)
+
+
+class ClassesNet(TinySegNet):
+    """A zoo's segmentation constructor that takes its class count as ``classes`` (as
+    segmentation_models_pytorch's ``Unet``) and swallows anything else in ``**kwargs``:
+    given ``num_classes`` only, it silently has one output channel."""
+
+    def __init__(self, encoder_depth: int = 5, in_channels: int = 3, classes: int = 1, **kwargs):
+        super().__init__(classes)
+
+
+class UnusedNormNet(TinySegNet):
+    """A segmentation model with a BatchNorm block its forward never runs (as an encoder
+    deeper than the decoder reads: smp's ``encoder_depth`` below 5)."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__(num_classes)
+        self.deeper = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8))
+        self.norm = nn.BatchNorm2d(3)
+
+    def forward(self, x):
+        return self.body(self.norm(x))

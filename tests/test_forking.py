@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import CONF_DIR, ROOT, SMALL_DATA, train_here
+from optional import require
 from repro.build import accepted
 from repro.config import compose
 from repro.errors import ConfigError
@@ -58,16 +59,40 @@ def test_a_target_gets_only_the_keys_its_signature_takes():
 
 def test_a_zoo_style_constructor_plugs_in_by_its_target(tmp_path):
     zoo = ["~model", "+model._target_=forked_project.zoo_model"]
-    run = train_here(tmp_path / "zoo", *STEPS, *zoo, "+model.num_classes=12")
+    run = train_here(tmp_path / "zoo", *STEPS, *zoo)
     assert run.summary["steps"] == 8 and "TinyNet" in run.output
-    # a class count in the model's YAML wins over the data's, with one line saying so
-    warned = [line for line in run.output.splitlines() if "model.num_classes=12" in line]
-    assert warned == [
-        "model.num_classes=12 but the data (repro.data.synthetic) has 10: the model's YAML "
-        "wins; leave num_classes out of it to follow the data."
-    ]
     state = torch.load(run.dir / "checkpoint.pt", weights_only=True)["model"]
-    assert state["head.weight"].shape == (12, 8)
+    assert state["head.weight"].shape == (10, 8)  # num_classes through **kwargs
+    # a class count in the model's YAML that is not the data's: refused before step 1
+    with pytest.raises(ConfigError) as err:
+        train_here(tmp_path / "twelve", *STEPS, *zoo, "+model.num_classes=12")
+    assert str(err.value) == (
+        "config error: model._target_='forked_project.zoo_model' gives 12 output channel(s) a "
+        "sample, the data has 10 classes: model.num_classes=12 in its YAML; leave it out."
+    )
+    assert not (tmp_path / "twelve" / "checkpoint.pt").exists()
+
+
+def test_a_zoo_model_that_wants_the_class_count_by_another_name_is_told_which(tmp_path):
+    """smp's ``Unet(classes=1, **kwargs)``: given num_classes it trains a 1-channel model to
+    Dice 0 without a word; here the run stops before step 1 naming ``classes``, and the line
+    it suggests trains."""
+    small = ["trainer.max_steps=2", "trainer.eval_every=2", "data.train_size=32"]
+    small += ["data.val_size=8", "trainer.batch_size=8", "trainer.micro_batch_size=8"]
+    small += ["data.image_size=32", "augment=none"]
+    zoo = ["experiment=segmentation", "~model", "+model._target_=forked_project.ClassesNet"]
+    with pytest.raises(ConfigError) as err:
+        train_here(tmp_path / "one", *zoo, *small)
+    assert str(err.value) == (
+        "config error: model._target_='forked_project.ClassesNet' gives 1 output channel(s) a "
+        "sample, the data has 4 classes: its constructor takes the count as 'classes', not "
+        "num_classes; add classes: ${data.num_classes} to its YAML (or +model.classes=4)."
+    )
+    run = train_here(tmp_path / "four", *zoo, *small, "+model.classes=${data.num_classes}")
+    assert run.summary["steps"] == 2 and run.summary["headline"] == "val_dice"
+    # a wrong count in the YAML under that name: named as such
+    with pytest.raises(ConfigError, match=r"model.classes=3 in its YAML; set it to"):
+        train_here(tmp_path / "three", *zoo, *small, "+model.classes=3")
 
 
 def test_keys_the_new_target_does_not_take_are_named_and_dropping_them_works():
@@ -118,7 +143,7 @@ def test_a_preset_body_that_sets_model_keys_says_which_to_drop_and_that_works(tm
 
 
 def test_a_torchvision_model_plugs_in_with_one_line(tmp_path):
-    pytest.importorskip("torchvision")
+    require("torchvision", "make add PKG=torchvision")
     steps = ["trainer.max_steps=2", "trainer.eval_every=2", "data.train_size=128"]
     resnet = ["~model", "+model._target_=torchvision.models.resnet18"]
     run = train_here(tmp_path / "tv", *steps, "data.val_size=32", *resnet)
@@ -218,3 +243,20 @@ def test_optimizer_settings_it_refuses_are_one_line(tmp_path):
     message = str(err.value)
     assert message.startswith("optim: torch.optim.adamw.AdamW refused its settings (ValueError")
     assert "\n" not in message
+
+
+def test_a_model_with_layers_it_never_runs_trains_and_they_are_named(tmp_path):
+    """An encoder deeper than its decoder reads (smp's encoder_depth below 5) builds BatchNorm
+    layers no forward runs: named in one warning, left as initialised, and the run trains."""
+    small = ["trainer.max_steps=2", "trainer.eval_every=2", "data.train_size=32"]
+    small += ["data.val_size=8", "trainer.batch_size=8", "trainer.micro_batch_size=4"]
+    small += ["data.image_size=32", "augment=none"]
+    model = ["experiment=segmentation", "~model", "+model._target_=forked_project.UnusedNormNet"]
+    run = train_here(tmp_path / "run", *model, *small)
+    assert run.summary["steps"] == 2
+    warned = [line for line in run.output.splitlines() if "never ran" in line]
+    assert len(warned) == 1 and warned[0].startswith("BatchNorm layer(s) deeper.1 never ran")
+    state = torch.load(run.dir / "checkpoint.pt", weights_only=True, map_location="cpu")["model"]
+    assert int(state["deeper.1.num_batches_tracked"]) == 0
+    assert int(state["norm.num_batches_tracked"]) == 4  # 2 steps of 2 micro-batches
+    assert torch.equal(state["deeper.1.running_mean"], torch.zeros(8))

@@ -44,6 +44,7 @@ from repro.rng import derive_seed
 from repro.running_stats import RunningStats
 from repro.sliding_window import Window
 from repro.tasks import Task
+from repro.weights import recording_weights
 
 # Passed into a target's **kwargs when its signature does not name the key.
 THROUGH_KWARGS = {"num_classes"}
@@ -150,23 +151,32 @@ def _gives_masks(split: Any) -> bool:
 
 
 def build_model(cfg: DictConfig, data: DataSplits, device: torch.device) -> nn.Module:
+    """:func:`build_model_and_weights`'s model."""
+    return build_model_and_weights(cfg, data, device)[0]
+
+
+def build_model_and_weights(
+    cfg: DictConfig, data: DataSplits, device: torch.device
+) -> tuple[nn.Module, list[dict[str, Any]]]:
     """Instantiate ``cfg.model`` on the CPU with the generator keyed by ``(seed, "init")``, so
     the initial weights are the same on every device, then move it (``channels_last``:
     in that memory format) and, with ``trainer.compile``, compile it: with static shapes,
     so that a micro-batch's kernels do not depend on which shapes were seen before (an
-    evaluation's, a resume's)."""
-    for key, known in (("num_classes", data.num_classes), ("in_channels", data.in_channels)):
-        if key in cfg.model and cfg.model[key] != known:
-            log.warning(
-                "model.%s=%s but the data (%s) has %s: the model's YAML wins; leave %s out of "
-                "it to follow the data.",
-                key, cfg.model[key], cfg.data._target_, known, key,
-            )  # fmt: skip
+    evaluation's, a resume's). Returns the model and the weights files its construction read
+    (pretrained weights: part of the bits; :func:`repro.weights.recording_weights`)."""
+    # (a class count that is not the data's stops the run at the pre-check: check_task)
+    if "in_channels" in cfg.model and cfg.model.in_channels != data.in_channels:
+        log.warning(
+            "model.in_channels=%s but the data (%s) has %s: the model's YAML wins; leave "
+            "in_channels out of it to follow the data.",
+            cfg.model.in_channels, cfg.data._target_, data.in_channels,
+        )  # fmt: skip
     with torch.random.fork_rng(devices=[]):  # CPU generator only; restored afterwards
         torch.default_generator.manual_seed(derive_seed(int(cfg.seed), "init"))
-        model = instantiate_target(
-            cfg.model, "model", num_classes=data.num_classes, in_channels=data.in_channels
-        )
+        with recording_weights() as weights:
+            model = instantiate_target(
+                cfg.model, "model", num_classes=data.num_classes, in_channels=data.in_channels
+            )
     if not isinstance(model, nn.Module):
         raise ConfigError(
             f"model._target_={cfg.model._target_!r} returned a {type(model).__name__}, not a "
@@ -178,7 +188,57 @@ def build_model(cfg: DictConfig, data: DataSplits, device: torch.device) -> nn.M
     mode = str(t.get("compile", "off"))
     if mode != "off":  # in place: the state dict keeps its keys
         model.compile(mode=None if mode == "default" else mode, dynamic=False)
-    return model
+    return model, weights
+
+
+# Constructor arguments model zoos take the class count by, instead of num_classes.
+CLASS_COUNT_NAMES = (
+    "classes",  # segmentation_models_pytorch
+    "out_channels",  # MONAI
+    "num_labels",  # transformers
+    "n_classes",
+    "num_class",
+    "nclass",
+    "out_classes",
+    "num_outputs",
+    "output_channels",
+)
+
+
+def class_count_problem(model_cfg: DictConfig, got: int, num_classes: int) -> str | None:
+    """None when the model's outputs have one channel a class; else one line saying which
+    constructor argument of ``model._target_`` probably wanted the class count (its
+    signature's, from :data:`CLASS_COUNT_NAMES`), or that the model's last layer must give
+    ``num_classes`` outputs. A zoo that takes ``**kwargs`` swallows ``num_classes`` without
+    a word (smp's ``Unet`` wants ``classes``): its model has the default count."""
+    if got == num_classes:
+        return None
+    dotted = str(model_cfg.get("_target_", "?"))
+    head = (
+        f"config error: model._target_={dotted!r} gives {got} output channel(s) a sample, the "
+        f"data has {num_classes} classes"
+    )
+    try:
+        params = inspect.signature(locate(dotted)).parameters
+    except Exception:  # not introspectable: no name to suggest
+        params = {}
+    for name in CLASS_COUNT_NAMES:
+        if name in params and name != "num_classes":
+            if name in model_cfg:
+                return (
+                    f"{head}: model.{name}={model_cfg[name]} in its YAML; set it to "
+                    f"${{data.num_classes}} (or leave num_classes to the data)."
+                )
+            return (
+                f"{head}: its constructor takes the count as {name!r}, not num_classes; add "
+                f"{name}: ${{data.num_classes}} to its YAML (or +model.{name}={num_classes})."
+            )
+    if "num_classes" in model_cfg:
+        return f"{head}: model.num_classes={model_cfg.num_classes} in its YAML; leave it out."
+    return (
+        f"{head}: make its last layer give num_classes outputs (its constructor takes no "
+        "argument the count could go to)."
+    )
 
 
 def uses_channels_last(setting: Any, model: nn.Module, device: torch.device) -> bool:
@@ -385,6 +445,8 @@ class Training:
     ema: WeightAverage | None = None  # trainer.ema: the weights evaluations see
     channels_last: bool = False  # the model's memory format, so the inputs' (trainer.channels_last)
     window: Window = field(default_factory=Window)  # inference.*: how evaluation sees an image
+    # the weights files the model's construction read ({path, sha256, bytes}): part of the bits
+    pretrained_weights: list[dict[str, Any]] = field(default_factory=list)
 
     def evaluated_weights(self) -> AbstractContextManager:
         """Inside: the weights evaluations see -- the average with ``trainer.ema``, else the
@@ -399,7 +461,7 @@ class Training:
 
 
 def build_training(cfg: DictConfig, data: DataSplits, device: torch.device) -> Training:
-    model = build_model(cfg, data, device)
+    model, weights = build_model_and_weights(cfg, data, device)
     optimizer = build_optimizer(cfg, model)
     return Training(
         model=model,
@@ -414,6 +476,7 @@ def build_training(cfg: DictConfig, data: DataSplits, device: torch.device) -> T
         ema=_weight_average(cfg.trainer.ema, model),
         channels_last=uses_channels_last(cfg.trainer.channels_last, model, device),
         window=Window.from_config(cfg.get("inference"), data.image_size),
+        pretrained_weights=weights,
     )
 
 

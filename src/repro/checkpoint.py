@@ -36,6 +36,8 @@ from repro.config import RELEVANT_ENVIRONMENT, RELEVANT_ON_CPU, flatten
 from repro.errors import CheckpointError
 from repro.files import BEST_FILE, CHECKPOINT_DIR
 from repro.rng import global_rng_states, set_global_rng_states
+from repro.weights import KEY as WEIGHTS_KEY
+from repro.weights import weights_mismatches
 
 if TYPE_CHECKING:
     from repro.build import Training
@@ -409,6 +411,7 @@ ABSENT_MEANS = {
     "inference.mirror": False,
     "task.unions": None,  # segmentation before named unions and class names
     "data.class_names": None,
+    "data.limit": None,  # image_folder, image_mask_folder before data.limit: every file
 }
 # Values of a relevant key that give the same bits (mapped to one before comparing).
 SAME_BITS = {"dist.reduction": {"ordered_allgather": "ordered"}}  # one tree, other collectives
@@ -430,8 +433,9 @@ def mismatches(
     state: dict[str, Any], config: dict[str, Any], environment: dict[str, Any], device: str
 ) -> list[str]:
     """``key: checkpoint vs now`` for each determinism-relevant config or environment entry
-    that differs between a checkpoint and this run. A checkpoint written before an entry was
-    recorded (the CPU's instruction set, say) is not refused for lacking it."""
+    that differs between a checkpoint and this run, the pretrained weights files' SHA-256s
+    included. A checkpoint written before an entry was recorded (the CPU's instruction set,
+    the weights files, say) is not refused for lacking it."""
 
     def relevant(key: str) -> bool:
         return not key.startswith(NOT_COMPARED) and _under(key, RELEVANT_CONFIG)
@@ -446,6 +450,8 @@ def mismatches(
         a, b = old_env.get(key), environment.get(key)
         if a != b and (key in old_env or key in RELEVANT_ENVIRONMENT):
             out.append(f"environment.{key}: {a} (checkpoint) vs {b} (now)")
+    # the pretrained weights files read (unknown on either side: not compared)
+    out += weights_mismatches(old_env.get(WEIGHTS_KEY), environment.get(WEIGHTS_KEY))
     return out
 
 

@@ -20,14 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from omegaconf import DictConfig
 
-from repro.build import Training
-from repro.data import Augmented, DeviceNormalizer, KeyedPipeline, Resize, Split
+from repro.build import Training, class_count_problem
+from repro.data import Augmented, DataSplits, DeviceNormalizer, KeyedPipeline, Resize, Split
 from repro.data.augment import stack, stack_targets
 from repro.errors import ConfigError
 from repro.rng import global_rng_states, set_global_rng_states
 from repro.sliding_window import predict_logits, resize_logits
-from repro.tasks import Task
+from repro.tasks import Classification, Segmentation, Task
 
 
 @dataclass
@@ -227,23 +228,66 @@ def _takes_samples(task: Task) -> bool:
     )
 
 
-def check_task(training: Training, split: Split, normalize: DeviceNormalizer) -> list[str]:
+def check_task(
+    training: Training,
+    data: DataSplits,
+    normalize: DeviceNormalizer,
+    model_cfg: DictConfig | None = None,
+) -> list[str]:
     """The task's metrics on a few validation samples before the first step, so that a wrong
-    headline or metric name fails now, not at the first evaluation; returns their names. The
-    global RNGs are put back afterwards (a model may draw from them even in evaluation), so
-    the run's bits are those it would have without the check."""
+    headline or metric name fails now, not at the first evaluation; returns their names. For
+    a classification or segmentation task, the model's outputs must have one channel a class
+    of the data: a zoo model that did not get the count is one line naming the argument it
+    wanted (:func:`repro.build.class_count_problem`, from ``model_cfg``). The global RNGs are
+    put back afterwards (a model may draw from them even in evaluation), so the run's bits
+    are those it would have without the check."""
+    split, num_classes = data.val, data.num_classes
     states = global_rng_states()
+    channels: list[int] = []
+    checked = isinstance(training.task, Classification | Segmentation)
+
+    def record(module: torch.nn.Module, inputs: object, output: object) -> None:
+        if isinstance(output, torch.Tensor) and output.dim() >= 2 and not channels:
+            channels.append(int(output.shape[1]))
+
+    def wrong_count() -> str | None:
+        if not checked or not channels:
+            return None
+        return class_count_problem(model_cfg or DictConfig({}), channels[0], int(num_classes))
+
+    hook = training.model.register_forward_hook(record) if checked else None
     try:
         with _eager(training.model):  # compiled, it would compile a graph for this shape
-            return list(evaluate(training, split, normalize, 4, limit=4))
-    except RuntimeError as err:  # strict mode and an op with no deterministic kernel?
+            names = list(evaluate(training, split, normalize, 4, limit=4))
+    except Exception as err:
+        problem = wrong_count()  # the count, not what it broke downstream, is the cause
+        if problem is not None:
+            raise ConfigError(problem) from None
+        if isinstance(err, RuntimeError) and not isinstance(err, ConfigError):
+            _explain_op(err, training, split, normalize)
+        raise
+    finally:
+        if hook is not None:
+            hook.remove()
+        set_global_rng_states(states)
+    problem = wrong_count()
+    if problem is not None:
+        raise ConfigError(problem)
+    return names
+
+
+def _explain_op(
+    err: RuntimeError, training: Training, split: Split, normalize: DeviceNormalizer
+) -> None:
+    """Strict mode and an op with no deterministic kernel? One line if so."""
+    states = global_rng_states()
+    try:
         from repro.doctor import explain_nondeterministic_op
 
         raw = split.split if isinstance(split, Augmented) and training.window.native else split
         images, targets = raw.fetch(torch.arange(min(1 if raw is not split else 2, len(raw))))
         sample = stack(list(images), "data"), stack_targets(list(targets))
         explain_nondeterministic_op(err, training, *normalize(*sample))
-        raise
     finally:
         set_global_rng_states(states)
 

@@ -7,6 +7,11 @@ model and SM count, and on CPUs the instruction set the kernels dispatch to
 their own paths from the ISA flags, AMX included). Two CPUs with the same model string can
 dispatch differently, and then the same run gives other bits; ``repro compare`` lists these
 entries when they differ, and resuming a CPU run across a different capability is refused.
+
+A training run's environment also holds ``pretrained_weights``: every weights file the
+model's construction read, ``[{path, sha256, bytes}]`` (empty when none; :mod:`repro.weights`),
+added once the model is built (:meth:`repro.loop.Run.resolved`). A zoo's pretrained weights
+come from a cache filled at run time, so they decide the bits as much as the versions do.
 """
 
 from __future__ import annotations
@@ -157,7 +162,8 @@ def run_fingerprint(
     config: dict[str, Any], config_hash: str, env: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """``env.json``: everything outside the code's own logic that can change the bits.
-    ``env``: :func:`environment`'s result, when the caller has it already."""
+    ``env``: :func:`environment`'s result, when the caller has it already (a training run's
+    carries its ``pretrained_weights``)."""
     return {
         "environment": env if env is not None else environment(),
         "flags": determinism_flags(),

@@ -91,6 +91,8 @@ from repro.rundir import (
 from repro.signals import PreemptionSignals, armed
 from repro.step import NotFinite, train_step
 from repro.trace import StepTracer, state_dict_sha256, state_digests
+from repro.weights import KEY as WEIGHTS_KEY
+from repro.weights import report_row
 
 log = logging.getLogger("repro")
 
@@ -144,10 +146,10 @@ def _train(
     # built before the run directory is touched: a config that cannot build changes nothing
     data = build_data(cfg, world)
     training = build_training(cfg, data, run.device)
-    run = run.resolved(training.channels_last, report)  # channels_last=auto: what it chose
+    run = run.resolved(training, report)  # channels_last=auto: what it chose; the weights read
     cfg, t = run.cfg, run.cfg.trainer
     chosen = choose_loader(cfg, data, run.device)  # loader=auto: the same bits whichever
-    report_data(report, chosen, data)
+    report_data(report, chosen, data, cfg)
     signals.stop_before_training(run.dir)
     # rank 0 takes the directory's lock and looks at it (and refuses before writing
     # anything); every rank gets its answer and the checkpoint to resume from
@@ -167,7 +169,7 @@ def _train(
     normalize = DeviceNormalizer(data, run.device, training.channels_last)
     reducer = make_reducer(cfg, world)
     describe(run, training, data, count, chosen)
-    metric_names = check_task(training, data.val, normalize) if world.main else []
+    metric_names = check_task(training, data, normalize, cfg.model) if world.main else []
     logs = open_logs(run, training, steps_per_epoch, metric_names, resume)
     checkpoints = open_checkpoints(run, training, steps_per_epoch, resumes, resume)
     signals.stop_before_training(run.dir, start)
@@ -231,11 +233,32 @@ def _train(
     return broadcast_object(finish(*done_with) if world.main else None, world)
 
 
-def report_data(report: DeterminismReport, chosen: LoaderChoice, data: DataSplits) -> None:
-    """Layer 3's rows: the loader chosen and what the augmentation self-check tried."""
+def report_data(
+    report: DeterminismReport, chosen: LoaderChoice, data: DataSplits, cfg: DictConfig
+) -> None:
+    """Layer 3's rows: the loader chosen, the augmentation (which preset chose it, and each
+    pipeline's class) and what the augmentation self-check tried."""
     report.add("3 data", "loader", chosen.name, note=chosen.why)
+    report.add("3 data", "augment", augment_choice(cfg))
     if data.augment_check is not None:
         report.add("3 data", "augment self-check", data.augment_check.summary())
+
+
+def augment_choice(cfg: DictConfig) -> str:
+    """``augment=segmentation: train SegmentationAugment, eval Resize``: the group's option
+    (where Hydra composed the run: an experiment preset's choice shows here) and the class of
+    each pipeline's ``_target_``."""
+    from hydra.core.hydra_config import HydraConfig
+
+    node = cfg.get("augment") or {}
+    parts = []
+    for part in ("train", "eval"):
+        target = (node.get(part) or {}).get("_target_") if node.get(part) else None
+        parts.append(f"{part} {str(target).rsplit('.', 1)[-1] if target else 'none'}")
+    option = None
+    if HydraConfig.initialized():
+        option = HydraConfig.get().runtime.choices.get("augment")
+    return f"augment={option}: {', '.join(parts)}" if option else ", ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -261,21 +284,26 @@ class Run:
         identity = RunIdentity(resolved_container(cfg), config_hash(cfg), env, device.type)
         return cls(cfg, Path(run_dir), world, device, identity, started)
 
-    def resolved(self, channels_last: bool, report: DeterminismReport) -> Run:
+    def resolved(self, training: Training, report: DeterminismReport) -> Run:
         """This run with ``trainer.channels_last=auto`` replaced by the format the model was
         built in (:func:`repro.build.record_channels_last`), its identity (the config hash,
         what a resume compares) recomputed: a resume across formats is refused as for an
-        explicit change. The format, and why, go into the determinism report."""
+        explicit change. The weights files the model's construction read join its
+        environment (env.json and checkpoints record them; a resume across other files is
+        refused: :func:`repro.weights.weights_mismatches`). Both go into the determinism
+        report."""
         setting = self.cfg.trainer.channels_last
-        layout, why = memory_format_row(setting, channels_last, self.device)
+        layout, why = memory_format_row(setting, training.channels_last, self.device)
         report.add("4 ops", "memory format", layout, note=why)
-        cfg = record_channels_last(self.cfg, channels_last)
-        if cfg is self.cfg:
-            return self
+        files, why = report_row(training.pretrained_weights)
+        report.add("1 CPU", "pretrained weights", files, note=why)  # beside the keyed init
+        cfg = record_channels_last(self.cfg, training.channels_last)
         ident = self.identity
-        identity = RunIdentity(
-            resolved_container(cfg), config_hash(cfg), ident.environment, ident.device
-        )
+        env = {**ident.environment, WEIGHTS_KEY: training.pretrained_weights}
+        if cfg is self.cfg:
+            identity = dataclasses.replace(ident, environment=env)
+        else:
+            identity = RunIdentity(resolved_container(cfg), config_hash(cfg), env, ident.device)
         return dataclasses.replace(self, cfg=cfg, identity=identity)
 
 
