@@ -74,6 +74,25 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if report.clean else 1
 
 
+def cmd_preview(args: argparse.Namespace) -> int:
+    """Show what the training augmentation does: a PNG of N training samples, raw and as
+    training sees them in epoch E (segmentation: with the mask), and each transform's mean
+    displacement and intensity change, flagging one with no visible effect."""
+    from repro.config import compose
+    from repro.preview import check_counts, run_preview, write_preview
+
+    check_counts(args.n, args.epoch)  # before the data is built
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        raise ReproError(f"{out}: exists; give another --out, or --force to overwrite it.")
+    cfg = compose(args.overrides)
+    preview = run_preview(cfg, n=args.n, epoch=args.epoch)
+    write_preview(preview, out, force=args.force)
+    print(preview.format())
+    print(f"wrote {out}: a row per sample; " + ", ".join(preview.columns()), file=sys.stderr)
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     """Summarise seed sweeps (per-seed table, mean, SD, 95% CI, outliers, curves) and compare
     their groups with a baseline, seed by seed: is B better than A?"""
@@ -259,8 +278,9 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 def cmd_new(args: argparse.Namespace) -> int:
     """Start a project of your own: src/NAME/ (model, data, task), conf/*/NAME.yaml and a
-    preset, tests/test_NAME.py (the promise, checked for it); --remove-examples removes the
-    template's dated benchmark records."""
+    preset, tests/test_NAME.py (the promise, checked for it); --task segmentation: a UNet on
+    an image and mask folder; --remove-examples removes the template's dated benchmark
+    records."""
     from repro.config import find_conf_dir
     from repro.scaffold import new_project, remove_examples
 
@@ -274,10 +294,16 @@ def cmd_new(args: argparse.Namespace) -> int:
             "template's checkout."
         ) from None
     if args.name is not None:
-        for path in new_project(args.name, root):
+        for path in new_project(args.name, root, args.task):
             print(f"wrote {path.relative_to(root)}")
+        first = (
+            f"python -m {args.name}.data data/{args.name} (an example folder; or set data.path "
+            f"in conf/data/{args.name}.yaml), then "
+            if args.task == "segmentation"
+            else ""
+        )
         print(
-            f"next: python train.py experiment={args.name}; make test runs "
+            f"next: {first}python train.py experiment={args.name}; make test runs "
             f"tests/test_{args.name}.py with the template's tests; commit the new files (until "
             "then env.json marks the runs dirty)"
         )
@@ -313,6 +339,19 @@ def _add_trust_options(p: argparse.ArgumentParser) -> None:
         "weights_only=true, numpy.load with allow_pickle, pickle.*, ...), refused even with "
         "--trust unless named (repeatable)",
     )
+
+
+def _add_preview_command(sub: argparse._SubParsersAction) -> None:
+    """``repro preview``: what the training augmentation does to the samples."""
+    p = sub.add_parser("preview", help=_doc(cmd_preview), description=cmd_preview.__doc__)
+    p.add_argument(
+        "overrides", nargs="*", help="the same overrides as train.py, e.g. augment=segmentation"
+    )
+    p.add_argument("--n", type=int, default=8, help="training samples shown (default 8)")
+    p.add_argument("--epoch", type=int, default=0, help="the epoch whose draws to show (default 0)")
+    p.add_argument("--out", default="preview.png", help="the PNG (default preview.png)")
+    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    p.set_defaults(func=cmd_preview)
 
 
 def _add_sweep_commands(sub: argparse._SubParsersAction) -> None:
@@ -382,6 +421,24 @@ def _add_sesoi_option(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_new_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("new", help=_doc(cmd_new), description=cmd_new.__doc__)
+    p.add_argument("name", nargs="?", help="the project's name: a lowercase identifier (mylab)")
+    p.add_argument(
+        "--task",
+        choices=["classification", "segmentation"],
+        default="classification",
+        help="what the project learns: class labels (the default) or per-pixel masks from an "
+        "image and mask folder",
+    )
+    p.add_argument(
+        "--remove-examples",
+        action="store_true",
+        help="remove the template's dated benchmark records (benchmarks/*-YYYY-MM-DD-*)",
+    )
+    p.set_defaults(func=cmd_new)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="repro", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -418,6 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=int, default=12, help="--cost: modules listed (default 12)")
     p.add_argument("--config-dir", help="the conf/ directory (default: ./conf, else the project's)")
     p.set_defaults(func=cmd_doctor)
+    _add_preview_command(sub)
     _add_sweep_commands(sub)
     p = sub.add_parser("rerun", help=_doc(cmd_rerun), description=cmd_rerun.__doc__)
     p.add_argument("job_dir", help="one job's directory inside a sweep directory")
@@ -470,14 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
             )
         _add_trust_options(p)
         p.set_defaults(func=func)
-    p = sub.add_parser("new", help=_doc(cmd_new), description=cmd_new.__doc__)
-    p.add_argument("name", nargs="?", help="the project's name: a lowercase identifier (mylab)")
-    p.add_argument(
-        "--remove-examples",
-        action="store_true",
-        help="remove the template's dated benchmark records (benchmarks/*-YYYY-MM-DD-*)",
-    )
-    p.set_defaults(func=cmd_new)
+    _add_new_command(sub)
     p = sub.add_parser("env", help=_doc(cmd_env))
     p.set_defaults(func=cmd_env)
     return parser
