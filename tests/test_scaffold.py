@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from conftest import ROOT, broken_links, compose_every_option, user_env
-from repro.scaffold import FILES, remove_examples
+from repro.scaffold import FILES, TASKS, remove_examples
 
 
 def free_name() -> str:
@@ -84,7 +84,18 @@ def test_repro_new_writes_a_project_whose_own_test_and_the_templates_config_test
         copy, sys.executable, "-m", "ruff", "check", f"src/{name}", f"tests/test_{name}.py"
     )
     assert lint.returncode == 0, lint.stdout
-    # the generated test: its runs are `python train.py experiment=NAME ...` in the fork
+    # a segmentation project beside it: a UNet on an image and mask folder
+    seg = f"{name}_cells"
+    new_seg = in_copy(copy, sys.executable, "-m", "repro", "new", seg, "--task", "segmentation")
+    assert new_seg.returncode == 0, new_seg.stderr
+    seg_files = [path.format(name=seg) for path in TASKS["segmentation"]]
+    assert [line.removeprefix("wrote ") for line in new_seg.stdout.splitlines()[:-1]] == seg_files
+    assert f"python -m {seg}.data data/{seg}" in new_seg.stdout.splitlines()[-1]
+    lint = in_copy(
+        copy, sys.executable, "-m", "ruff", "check", f"src/{seg}", f"tests/test_{seg}.py"
+    )
+    assert lint.returncode == 0, lint.stdout
+    # the generated tests: their runs are `python train.py experiment=NAME ...` in the fork
     runs = tmp_path / "runs"
     tests = in_copy(
         copy,
@@ -96,11 +107,14 @@ def test_repro_new_writes_a_project_whose_own_test_and_the_templates_config_test
         "no:cacheprovider",
         f"--basetemp={runs}",
         f"tests/test_{name}.py",
+        f"tests/test_{seg}.py",
     )
     assert tests.returncode == 0, tests.stdout[-4000:] + tests.stderr[-2000:]
-    assert "4 passed" in tests.stdout, tests.stdout
+    assert "8 passed" in tests.stdout, tests.stdout
+    seg_run = json.loads(next(runs.glob(f"{seg}[0-9]*/reference/summary.json")).read_text())
+    assert seg_run["headline"] == "val_dice" and "val_dice_disc" in seg_run
     # until committed, the new files mark each run dirty, named with their digests
-    found = sorted(runs.rglob("reference"))
+    found = sorted(runs.glob(f"{name}[0-9]*/reference"))
     assert len(found) == 1, found
     reference = found[0]
     git = json.loads((reference / "env.json").read_text())["git"]
@@ -110,9 +124,14 @@ def test_repro_new_writes_a_project_whose_own_test_and_the_templates_config_test
     monkeypatch.syspath_prepend(str(copy / "src"))  # the fork's package, as its tests see it
     results = {g: compose_every_option(g, copy / "conf") for g in ("model", "data", "task")}
     assert all(results[g][name] == "ok" for g in results), results
-    assert compose_every_option("experiment", copy / "conf")[name] == "ok"
-    for module in [m for m in sys.modules if m == name or m.startswith(f"{name}.")]:
-        del sys.modules[module]  # the fork's package: not this checkout's
+    assert all(results[g][seg] == "ok" for g in ("model", "task")), results
+    assert results["data"][seg] == (  # its folder (data/NAME) is not in the copy
+        f"skipped data={seg}: its data.path is not on this machine"
+    )
+    experiments = compose_every_option("experiment", copy / "conf")
+    assert experiments[name] == experiments[seg] == "ok"
+    for module in [m for m in sys.modules if m.split(".")[0] in (name, seg)]:
+        del sys.modules[module]  # the fork's packages: not this checkout's
 
 
 def test_repro_new_refuses_bad_names_before_writing_anything(tmp_path):

@@ -1,10 +1,12 @@
-"""``repro new NAME``: a project of your own beside the template, in one command.
+"""``repro new NAME [--task classification|segmentation]``: a project of your own beside
+the template, in one command.
 
 It writes a model, a dataset and a task (``src/NAME/``), their YAMLs and a preset
 (``conf/{model,data,task,experiment}/NAME.yaml``), and ``tests/test_NAME.py``, which checks the
 template's promise for that experiment: the same bits twice, with loader workers, after a
-kill and resume, and over two processes. Everything trains as written; replace the bodies
-with your own, and keep the test. ``--remove-examples`` removes what only the template's
+kill and resume, and over two processes. Everything trains as written (segmentation: on an
+image and mask folder; ``python -m NAME.data data/NAME`` writes an example one, and the test
+writes its own); replace the bodies with your own, and keep the test. ``--remove-examples`` removes what only the template's
 history needs: its dated benchmark records.
 
 Nothing that exists is overwritten: a name whose files are there already is refused before
@@ -23,8 +25,8 @@ from pathlib import Path
 
 from repro.errors import ReproError
 
-# The files of a new project, by path (NAME is replaced); their text is below.
-FILES = {
+# The files of a new classification project, by path (NAME is replaced).
+CLASSIFICATION = {
     "src/{name}/__init__.py": '''"""{name}: a project built on the repro template (`repro new {name}`)."""
 ''',
     "src/{name}/models.py": '''"""{name}'s model. Any ``nn.Module`` works: the run passes ``num_classes`` and ``in_channels``
@@ -204,6 +206,227 @@ def test_{name}_on_two_processes_gives_the_one_process_bits(reference, tmp_path)
 }
 
 
+# The files of a new segmentation project (`repro new NAME --task segmentation`).
+SEGMENTATION = {
+    "src/{name}/__init__.py": '''"""{name}: a segmentation project built on the repro template (`repro new {name}
+--task segmentation`)."""
+''',
+    "src/{name}/models.py": '''"""{name}'s model. Any ``nn.Module`` that maps N×C×H×W images to N×classes×H×W logits
+works: the run passes ``num_classes`` and ``in_channels`` from the data when the signature
+names them, and the YAML's keys (conf/model/{name}.yaml). A zoo model is a YAML too
+(docs/extending.md#a-model); its class count must arrive under the name its constructor
+takes (smp: ``classes``), which the run checks before step 1."""
+
+import torch
+from torch import nn
+
+from repro.ops import Upsample2x
+
+
+def block(cin: int, cout: int) -> nn.Sequential:
+    """Two 3×3 convolutions, each with GroupNorm (independent of the batch) and ReLU."""
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, 3, padding=1),
+        nn.GroupNorm(4, cout),
+        nn.ReLU(),
+        nn.Conv2d(cout, cout, 3, padding=1),
+        nn.GroupNorm(4, cout),
+        nn.ReLU(),
+    )
+
+
+class Net(nn.Module):
+    """A two-level UNet (image sides must be even), upsampling by ``repro.ops.Upsample2x``
+    (bilinear, deterministic on CUDA at nn.Upsample's speed). Its initial weights are drawn
+    from a generator keyed by the seed."""
+
+    def __init__(self, num_classes: int, in_channels: int = 3, width: int = 16) -> None:
+        super().__init__()
+        self.down = block(in_channels, width)
+        self.bottom = nn.Sequential(nn.MaxPool2d(2), block(width, 2 * width), Upsample2x())
+        self.up = block(3 * width, width)
+        self.head = nn.Conv2d(width, num_classes, 1)
+
+    def forward(self, x):
+        skip = self.down(x)
+        return self.head(self.up(torch.cat([skip, self.bottom(skip)], dim=1)))
+''',
+    "src/{name}/data.py": '''"""{name}'s data is a folder: ``images/<stem>.png`` and ``masks/<stem>.png`` (class
+indices; 255: not scored), read by ``repro.data.image_mask_folder`` (conf/data/{name}.yaml;
+conf/data/image_mask_folder.yaml documents every key: bit depth, channels, groups, folds,
+``limit``). To try the project before your data is there, write an example folder:
+
+    python -m {name}.data data/{name}      # then: python train.py experiment={name}
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+CLASS_NAMES = ("background", "disc", "square")
+
+
+def example_folder(path: str | Path, count: int = 64, size: int = 48, seed: int = 0) -> Path:
+    """Write ``count`` noisy grey images, each with a bright disc and a dark square, and
+    their masks (0 background, 1 disc, 2 square) as 8-bit PNGs under ``path``; a pure
+    function of its arguments. Returns ``path``."""
+    from PIL import Image  # Pillow: pip install -e .[images]
+
+    root = Path(path)
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    (root / "masks").mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:size, 0:size]
+    for i in range(count):
+        mask = np.zeros((size, size), np.uint8)
+        cy, cx = rng.integers(size // 4, 3 * size // 4, 2)
+        mask[(yy - cy) ** 2 + (xx - cx) ** 2 <= (size // 6) ** 2] = 1
+        y0, x0 = rng.integers(0, size - size // 4, 2)
+        mask[y0 : y0 + size // 4, x0 : x0 + size // 4] = 2
+        image = np.choose(mask, [110, 200, 30]) + rng.normal(0, 25, (size, size))
+        name = f"sample{{i:03d}}.png"
+        Image.fromarray(image.clip(0, 255).astype(np.uint8)).save(root / "images" / name)
+        Image.fromarray(mask).save(root / "masks" / name)
+    return root
+
+
+if __name__ == "__main__":
+    target = Path(sys.argv[1] if len(sys.argv) > 1 else "data/{name}")
+    if target.exists():
+        sys.exit(f"{{target}} exists; nothing was written (give another folder).")
+    print(f"wrote {{example_folder(target)}}/images and masks/ (64 pairs)")
+''',
+    "src/{name}/tasks.py": '''"""{name}'s task: the template's segmentation task (cross-entropy + soft Dice per image;
+Dice and IoU per image from exact counts, per class by name). Change the loss here
+(docs/extending.md, "A task"): keep it a sum over the micro-batch's samples."""
+
+from repro.tasks import Segmentation
+
+
+class Task(Segmentation):
+    """Cross-entropy and soft Dice, weighted by the YAML's keys (conf/task/{name}.yaml)."""
+
+    def loss(self, outputs, targets):
+        return super().loss(outputs, targets)
+''',
+    "conf/model/{name}.yaml": """# {name}'s model (src/{name}/models.py): `python train.py model={name}`.
+_target_: {name}.models.Net
+width: 16
+""",
+    "conf/data/{name}.yaml": """# {name}'s data: a folder of images/ and masks/ (src/{name}/data.py; every key:
+# conf/data/image_mask_folder.yaml). An example folder: python -m {name}.data data/{name}
+defaults:
+  - image_mask_folder
+  - _self_
+
+path: ${{paths.data_dir}}/{name}
+num_classes: 3
+class_names: [background, disc, square]   # metrics by name: val_dice_disc
+image_size: 48        # the side the training pipeline gives the model
+channels: 1           # grayscale
+limit: null           # N: at most N files of each split (a quick run on a large folder)
+""",
+    "conf/task/{name}.yaml": """# {name}'s task (src/{name}/tasks.py): `python train.py task={name}`.
+defaults:
+  - segmentation
+  - _self_
+
+_target_: {name}.tasks.Task
+cross_entropy_weight: 1.0
+dice_weight: 1.0
+""",
+    "conf/experiment/{name}.yaml": """# @package _global_
+# {name} in one word: `python train.py experiment={name}`. A preset selects its groups' YAMLs
+# (it sets no model keys, so `experiment={name} model=other` works) and the run's size;
+# overrides after it still apply. The augmentation moves each mask with its image.
+defaults:
+  - override /model: {name}
+  - override /data: {name}
+  - override /task: {name}
+  - override /augment: segmentation
+  - override /optim: adamw
+
+trainer:
+  max_steps: 300
+  batch_size: 16
+  micro_batch_size: 8      # 2 micro-batches a step: 1 or 2 processes give the same bits
+  eval_every: 100
+""",
+    "tests/test_{name}.py": '''"""The template's promise for the {name} experiment: the same bits twice, with loader
+workers, after a kill and resume, and over two processes (written by `repro new {name}
+--task segmentation`), on an example mask folder written here.
+
+Keep it as the experiment grows: the day a new layer or augmentation breaks determinism, CI
+says so. SMALL shrinks the run (a few seconds each), not what is checked; runs are compared
+with each other, never with a digest written down (another CPU gives other bits)."""
+
+import pytest
+
+from repro.testing import assert_same_bits, train, train_killed
+
+pytestmark = pytest.mark.e2e  # starts train.py: `make test`, not `make test-fast`
+pytest.importorskip("PIL", reason="the mask folder is read with Pillow: pip install -e .[images]")
+
+EXPERIMENT = ["experiment={name}"]
+# On the CPU, on every machine (2 processes need no 2 GPUs); on a GPU, `repro doctor
+# experiment={name}` checks the model's kernels there. data.limit keeps a few files of each
+# split: point data.path at your own folder to check the promise on it.
+SMALL = [
+    "device=cpu",
+    "trainer.max_steps=8",
+    "trainer.eval_every=4",
+    "trainer.checkpoint_every=3",
+    "trainer.batch_size=8",
+    "trainer.micro_batch_size=4",
+    "data.image_size=32",
+    "data.limit=16",
+]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """An example folder (src/{name}/data.py) as the runs' data.path."""
+    from {name}.data import example_folder
+
+    return [f"data.path={{example_folder(tmp_path_factory.mktemp('{name}_data'), count=24)}}"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data):
+    """The run everything is compared with: one process, loading in the main process."""
+    run_dir = tmp_path_factory.mktemp("{name}") / "reference"
+    return train(run_dir, *EXPERIMENT, *data, *SMALL, "loader=single")
+
+
+def test_{name}_repeats_bit_for_bit(reference, data, tmp_path):
+    again = train(tmp_path / "again", *EXPERIMENT, *data, *SMALL, "loader=single")
+    assert_same_bits(reference, again)
+
+
+def test_{name}_gives_the_same_bits_with_loader_workers(reference, data, tmp_path):
+    workers = ["loader=multi", "loader.num_workers=2"]
+    assert_same_bits(reference, train(tmp_path / "workers", *EXPERIMENT, *data, *SMALL, *workers))
+
+
+def test_{name}_killed_and_resumed_gives_the_uninterrupted_bits(reference, data, tmp_path):
+    run_dir = tmp_path / "killed"
+    train_killed(run_dir, *EXPERIMENT, *data, *SMALL, "loader=single", after=5)
+    resumed = train(run_dir, *EXPERIMENT, *data, *SMALL, "loader=single", "trainer.resume=auto")
+    assert resumed.summary["resumes"][-1]["step"] == 3  # from the step-3 checkpoint
+    assert_same_bits(reference, resumed)
+
+
+def test_{name}_on_two_processes_gives_the_one_process_bits(reference, data, tmp_path):
+    two = train(tmp_path / "two", *EXPERIMENT, *data, *SMALL, "loader=single", nproc=2)
+    assert_same_bits(reference, two)
+''',
+}
+
+# `repro new NAME --task T`: each task's files.
+TASKS = {"classification": CLASSIFICATION, "segmentation": SEGMENTATION}
+FILES = CLASSIFICATION  # the default task's
+
 # Words YAML reads as null or a boolean: `override /model: on` would not name the file on.yaml.
 YAML_WORDS = {"null", "none", "true", "false", "yes", "no", "on", "off", "y", "n"}
 
@@ -266,18 +489,22 @@ def _name_max(root: Path) -> int:
         return 255
 
 
-def new_project(name: str, root: Path) -> list[Path]:
-    """Write the project's files under ``root`` (the checkout: ``conf/``, ``src/``,
-    ``tests/``): all of them or, when any exists or one cannot be written, none (what this
-    call created is removed; nothing that was there is touched). Returns the paths
-    written."""
+def new_project(name: str, root: Path, task: str = "classification") -> list[Path]:
+    """Write the project's files for ``task`` (:data:`TASKS`) under ``root`` (the checkout:
+    ``conf/``, ``src/``, ``tests/``): all of them or, when any exists or one cannot be
+    written, none (what this call created is removed; nothing that was there is touched).
+    Returns the paths written."""
+    if task not in TASKS:
+        raise ReproError(f"--task {task!r} is invalid; allowed: {', '.join(TASKS)}.")
     check_name(name, root)
     for folder in ("conf", "src", "tests"):
         if not (root / folder).is_dir():
             raise ReproError(
                 f"{root} has no {folder}/; run repro new from the template's checkout."
             )
-    files = {root / path.format(name=name): text.format(name=name) for path, text in FILES.items()}
+    files = {
+        root / path.format(name=name): text.format(name=name) for path, text in TASKS[task].items()
+    }
     existing = [p for p in files if p.exists()]
     if existing:
         raise ReproError(

@@ -87,18 +87,7 @@ def image_folder(
             f"data.on_bad_image={on_bad_image!r} is invalid; allowed: "
             f"{' or '.join(BAD_IMAGE_CHOICES)}."
         )
-    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
-    files = [
-        (f, label)
-        for label, name in enumerate(classes)
-        for f in sorted((root / name).rglob("*"))
-        if f.suffix.lower() in IMAGE_SUFFIXES
-    ]
-    if len(classes) < 2 or not files:
-        raise DataError(
-            f"data.path={path!r} holds {len(classes)} class folder(s) and {len(files)} "
-            "image(s); it needs at least 2 class sub-folders with images in them."
-        )
+    classes, files = _class_files(root, path)
     labels = torch.tensor([label for _, label in files])
     names = [f.relative_to(root).as_posix() for f, _ in files]
     splits = assign_splits(
@@ -132,6 +121,24 @@ def image_folder(
         image_size=image_size,
         class_names=tuple(classes),
     )
+
+
+def _class_files(root: Path, path: str) -> tuple[list[str], list[tuple[Path, int]]]:
+    """The sorted class folders under ``root`` and every image in them with its class index
+    (sorted within each class); fewer than 2 classes, or no image, is one line."""
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    files = [
+        (f, label)
+        for label, name in enumerate(classes)
+        for f in sorted((root / name).rglob("*"))
+        if f.suffix.lower() in IMAGE_SUFFIXES
+    ]
+    if len(classes) < 2 or not files:
+        raise DataError(
+            f"data.path={path!r} holds {len(classes)} class folder(s) and {len(files)} "
+            "image(s); it needs at least 2 class sub-folders with images in them."
+        )
+    return classes, files
 
 
 def _check_channels(channels: int) -> None:
