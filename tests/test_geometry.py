@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import repro.data.augment as augment
+from optional import require
 from repro.data import IGNORE, CropFlip, KeyedPipeline, RandomResizedCrop, SegmentationAugment
 from repro.data.augment import CenterResize, Resize, _resized, resize_mask, source_pixels
 
@@ -312,3 +313,45 @@ def test_a_mask_taken_to_training_size_and_back_keeps_more_of_itself():
             dice(old, cls),
             dice(old_down, cls),
         )
+
+
+# the shipped presets for the two libraries users bring: measured where they are usable
+LIBRARY_PRESETS = {
+    "torchvision_segmentation": "torchvision",
+    "albumentations_segmentation": "albumentations",
+}
+
+
+def library_preset(preset: str, size: int = 64):
+    """``augment=<preset>``'s training pipeline at ``size``, its colour step left out (it
+    moves the intensity centroid, not the geometry)."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from repro.config import compose
+
+    cfg = compose(["experiment=segmentation", f"augment={preset}", f"data.image_size={size}"])
+    node = OmegaConf.to_container(cfg.augment.train, resolve=True)
+    colour = ("ColorJitter", "RandomBrightnessContrast")
+    node["transforms"] = [t for t in node["transforms"] if not t["_target_"].endswith(colour)]
+    return instantiate(node, _convert_="all")
+
+
+@pytest.mark.parametrize("preset", list(LIBRARY_PRESETS))
+def test_the_library_presets_keep_the_mask_on_its_grid_and_pad_it_with_255(samples, preset):
+    """augment=torchvision_segmentation and albumentations_segmentation, as docs/segmentation.md
+    recommends them: resized with the mask on its image's grid and moved by an affine, the
+    mask stays within the bounds of its image, and what the affine moves in is 255 (not
+    scored), never a class."""
+    require(LIBRARY_PRESETS[preset], f"make add PKG={LIBRARY_PRESETS[preset]}")
+    offsets, whole = through(library_preset(preset), samples, (0, 1))
+    assert whole >= 75, whole
+    assert aligned(offsets, 0.5), (preset, whole, summary(offsets))
+    # a mask of class 1 everywhere: after the affine, only 1 and (where moved in) 255
+    pipeline = KeyedPipeline(library_preset(preset), seed=SEED)
+    image, full = samples[0][0], torch.ones_like(samples[0][1])
+    seen = set()
+    for epoch in range(8):
+        _, mask = pipeline(image, full, epoch, 0)
+        seen |= set(mask.unique().tolist())
+    assert seen == {1, IGNORE}, seen

@@ -15,6 +15,7 @@ import torch
 
 import launch
 from conftest import Run, cuda, run_train, train_cmd, train_here, user_env, with_tests_on_path
+from optional import require
 from repro.compare import compare_dirs
 from repro.data import (
     IGNORE,
@@ -536,10 +537,12 @@ ON_CUDA = [*SEG, "device=cuda", "amp=on"]
 @cuda
 @pytest.mark.cuda
 def test_strict_unet_bf16_on_cuda_repeats_with_any_loader(tmp_path):
-    a = train_here(tmp_path / "a", *ON_CUDA)
+    # crop_flip: the segmentation augmentation loader=device also runs (on the GPU)
+    on_cuda = [*ON_CUDA, "augment=crop_flip"]
+    a = train_here(tmp_path / "a", *on_cuda)
     assert a.summary["device"].startswith("cuda")
     for loader in ("loader=single", "loader=device", "loader=multi"):
-        assert_same_bits(train_here(tmp_path / loader, *ON_CUDA, loader), a)
+        assert_same_bits(train_here(tmp_path / loader, *on_cuda, loader), a)
 
 
 @cuda
@@ -596,7 +599,7 @@ def test_doctor_cost_names_the_stock_upsampling_and_loss_and_finds_the_preset_ch
 
 
 def test_a_mask_whose_size_differs_from_its_image_is_one_line_naming_it(tmp_path):
-    pytest.importorskip("PIL")
+    require("PIL")
     from PIL import Image
 
     from repro.data import image_mask_folder

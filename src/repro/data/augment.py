@@ -505,6 +505,44 @@ class _Albumentations:
         return image.contiguous(), target
 
 
+class TorchvisionMasks:
+    """torchvision's v2 transforms for segmentation (``augment=torchvision_segmentation``):
+    the image and mask resized to ``size`` by :class:`Resize` first (the image antialiased,
+    the mask on its grid: v2's ``Resize`` and ``RandomResizedCrop`` sample a ``Mask`` at the
+    top-left of each output pixel, half a pixel off), then ``transforms`` (a list, or one v2
+    transform) called on a ``tv_tensors.Image`` and a ``tv_tensors.Mask`` -- a plain tensor
+    beside an image passes through every v2 transform untouched -- and returned as plain
+    tensors. What a geometric transform moves in from outside is 255 in the mask (not
+    scored): the mask goes through as ``class + 1``, with 0 (v2's default fill; leave the
+    transforms' ``fill`` for masks at it) read back as 255. A class label passes by. Keyed
+    per sample as any pipeline: v2 draws from the global torch state."""
+
+    def __init__(self, transforms: Any, size: int | None = None) -> None:
+        try:
+            from torchvision.transforms import v2
+        except Exception as err:  # not installed, or a build that does not fit torch's
+            raise ConfigError(
+                f"config error: augment with TorchvisionMasks needs torchvision, whose import "
+                f"fails here ({type(err).__name__}: {err}): make add PKG=torchvision."
+            ) from None
+
+        self.resize = Resize(size)
+        listed = list(transforms) if isinstance(transforms, list | tuple) else [transforms]
+        self.v2 = v2.Compose(listed)
+
+    def __call__(self, image: torch.Tensor, target: Any) -> tuple[torch.Tensor, Any]:
+        from torchvision import tv_tensors
+
+        image, target = self.resize(image, target)
+        if not (isinstance(target, torch.Tensor) and target.dim() == 2):
+            return self.v2(tv_tensors.Image(image)).as_subclass(torch.Tensor), target
+        shifted = tv_tensors.Mask(target.long() + 1)  # 0: moved in from outside
+        image, mask = self.v2(tv_tensors.Image(image), shifted)
+        mask = mask.as_subclass(torch.Tensor)
+        mask = torch.where(mask == 0, IGNORE, mask - 1).to(target.dtype)
+        return image.as_subclass(torch.Tensor), mask
+
+
 # --------------------------------------------------------------------------- keying
 
 
