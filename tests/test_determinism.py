@@ -1,6 +1,7 @@
 """The four layers: the process environment is pinned before start, the rest read back."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -115,3 +116,28 @@ def test_warn_mode_is_strict_with_warnings_and_the_nan_fill(tmp_path):
     assert run.entry("fill_uninitialized_memory")["value"] is True
     assert strict.entry("fill_uninitialized_memory")["value"] is False
     assert run.summary["weights_sha256"] == strict.summary["weights_sha256"]
+
+
+def test_a_busy_machine_is_one_warning_before_the_run_and_an_idle_one_none(monkeypatch, caplog):
+    """Two runs at once on 2 cores each pin 2 threads and start 2 loader workers: both crawl.
+    A run that starts on a machine already loaded above its cores says so, with the fix; one
+    run on an idle machine says nothing (as the 1-minute load average stays at or below the
+    cores), nor does rank 1 of a launch."""
+    from repro import determinism
+
+    monkeypatch.setattr(determinism.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    for load, warned in ((1.9, False), (2.0, False), (3.7, True)):
+        monkeypatch.setattr(determinism.os, "getloadavg", lambda load=load: (load, 0.0, 0.0))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="repro"):
+            determinism.warn_if_busy(2)
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == int(warned), (load, lines)
+    assert lines[0].startswith("this machine is busy before the run starts (load average 3.7 on 2")
+    assert "determinism.cpu_threads=1 loader=single" in lines[0]
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="repro"):
+        determinism.warn_if_busy(2)
+    assert caplog.records == []

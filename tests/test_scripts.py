@@ -8,6 +8,7 @@ import pytest
 
 import launch
 from conftest import ROOT, user_env
+from optional import require
 
 
 def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
@@ -154,7 +155,7 @@ def test_profile_step_profiles_the_hand_written_loop_on_the_same_config(tmp_path
 @pytest.mark.e2e
 @pytest.mark.lightning
 def test_benchmark_runs_the_lightning_peer_beside_strict(tmp_path):
-    pytest.importorskip("lightning", reason="needs Lightning (pip install -e '.[bench]')")
+    require("lightning", "pip install -e '.[bench]'")
     run_script(
         "benchmark.py",
         "--steps",
@@ -186,7 +187,7 @@ def test_folder_benchmark_writes_the_lazy_row(tmp_path):
     """A folder of PNG and JPEG files of varied sizes, read per sample by a worker: the
     memory, speed and digest row (lazy and in memory giving one digest is test_data's,
     in process; one train.py process here keeps the CI budget)."""
-    pytest.importorskip("PIL")
+    require("PIL")
     args = ["--sizes", "24", "--workers", "1", "--steps", "4", "--image-size", "16"]
     run_script(
         "folder_benchmark.py",
@@ -292,3 +293,42 @@ def test_augment_benchmark_times_the_loader_keyed_and_unkeyed(tmp_path):
     assert len(list((tmp_path / "folders").rglob("*.jpg"))) == 40
     table = next((tmp_path / "out").glob("augment-*.md")).read_text()
     assert "| 0 |" in table and "keyed / unkeyed" in table
+
+
+def test_make_train_says_whether_this_machine_is_the_published_digests(tmp_path, monkeypatch):
+    """scripts/published_digest.py: the README's digest with the fingerprint entries that
+    decide it (benchmarks/default-run.json); a run whose entries match gave it or is named as
+    a mismatch; one whose entries differ is told which, and that another digest is expected."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "published_digest", ROOT / "scripts" / "published_digest.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    record = json.loads(script.RECORD.read_text())
+    assert set(record["deciding"]) == {key for _, key, _ in script.DECIDING}
+    digest = record["weights_sha256"]
+    readme = (ROOT / "README.md").read_text()
+    assert f"`{digest[:8]}…{digest[-8:]}`" in readme  # the README quotes the record
+    assert record["deciding"]["cpu_capability"] in readme
+
+    def run(name, deciding, weights):
+        run_dir = tmp_path / "outputs" / "day" / name
+        run_dir.mkdir(parents=True)
+        env = {"environment": {}, "flags": {}}
+        for section, key, _ in script.DECIDING:
+            env[section][key] = deciding[key]
+        (run_dir / "env.json").write_text(json.dumps(env))
+        (run_dir / "summary.json").write_text(json.dumps({"weights_sha256": weights}))
+        return run_dir
+
+    same = run("same", record["deciding"], digest)
+    assert script.main([str(same)]) == 0
+    assert script.newest_run(tmp_path / "outputs") == same
+    other = run("other", {**record["deciding"], "intra_op_threads": 1}, "ab" * 32)
+    monkeypatch.chdir(tmp_path)
+    assert script.main([str(other)]) == 0  # another digest expected: no error
+    broken = run("broken", record["deciding"], "cd" * 32)
+    assert script.main([str(broken)]) == 1  # the same entries, other bits: said, exit 1
+    assert script.main([str(tmp_path / "none")]) == 2

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -214,6 +215,42 @@ def _layer1_cpu(report: DeterminismReport, cfg: DictConfig) -> None:
         )
     report.add(name, "torch inter-op threads", torch.get_num_interop_threads())
     report.add(name, "cpu count", os.cpu_count())
+    warn_if_busy(int(torch.get_num_threads()))
+
+
+def machine_load() -> tuple[float, int] | None:
+    """The 1-minute load average and the cores this process may use; None where the system
+    does not say (Windows)."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        cores = os.cpu_count() or 1
+    return load, cores
+
+
+def warn_if_busy(threads: int) -> None:
+    """One warning when the machine is busy before this run starts (the load average above
+    its cores: another run of this template, a test suite): sharing cores, each run's
+    threads wait on the others' (two strict runs with 2 threads and 2 loader workers each
+    ran 40x slower on 2 cores). Rank 0 of a launch only; never for one run on an idle
+    machine."""
+    measured = machine_load()
+    if measured is None or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    load, cores = measured
+    if load <= cores:
+        return
+    logging.getLogger("repro").warning(
+        "this machine is busy before the run starts (load average %.1f on %d cores): it will "
+        "run slowly; wait for the other jobs, or give each run fewer threads, e.g. "
+        "determinism.cpu_threads=1 loader=single (the thread count is part of the config, "
+        "and of the bits on a CPU: compare runs that used the same).",
+        load, cores,
+    )  # fmt: skip
 
 
 def _layer2_gpu(
