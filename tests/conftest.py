@@ -57,12 +57,12 @@ def pytest_configure(config: pytest.Config) -> None:
 LONGEST_FIRST = [
     "test_resume.py",
     "test_dist.py",
+    "test_scaffold.py",
     "test_resume_checkpoints.py",
     "test_scripts.py",
     "test_train.py",
     "test_segmentation.py",
     "test_sweep.py",
-    "test_scaffold.py",
     "test_search.py",
 ]
 

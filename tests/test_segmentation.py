@@ -465,6 +465,7 @@ def test_image_mask_folder_trains_the_same_with_any_loader(tmp_path):
         "data.image_size=32",
         "trainer.max_steps=6",
         "trainer.eval_every=6",
+        "augment=crop_flip",  # the segmentation augmentation loader=device also runs
     ]
     single = train_here(tmp_path / "single", *folder)
     multi = run_train(tmp_path / "multi", *folder, "loader=multi")
