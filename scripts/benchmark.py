@@ -47,9 +47,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The UNet preset at 128x128, batch 32 in one micro-batch: with repro.ops (the preset) and
 # with PyTorch's ops (nn.Upsample, and F.cross_entropy on (N*H*W, C), the usual workaround
-# for the 4-D form, which raises in strict mode).
+# for the 4-D form, which raises in strict mode). augment=crop_flip: the augmentation
+# loader=device runs on the GPU, as the hand-written reference does (the preset's own,
+# augment=segmentation, rotates and scales on the host).
 UNET = [
     "experiment=segmentation",
+    "augment=crop_flip",
     "model.width=32",
     "model.depth=4",
     "data.image_size=128",
@@ -121,7 +124,7 @@ def timed_run(overrides: list[str], steps: int, warmup: int, where: Path) -> dic
 READMES_COMMAND = {
     "convnet": [],  # python train.py: fp32, batch 64 = 2 x 32
     "resnet18": ["experiment=resnet18"],
-    "segmentation": ["experiment=segmentation"],  # the 64x64 preset
+    "segmentation": ["experiment=segmentation", "augment=crop_flip"],  # the 64x64 preset
     "unet": UNET,  # the preset's UNet at 128x128 (fp32)
 }
 # (name, overrides added to the command -- or an int, that many micro-batches a step, the

@@ -125,7 +125,7 @@ def test_a_busy_machine_is_one_warning_before_the_run_and_an_idle_one_none(monke
     cores), nor does rank 1 of a launch."""
     from repro import determinism
 
-    monkeypatch.setattr(determinism.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(determinism.os, "cpu_count", lambda: 2)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     for load, warned in ((1.9, False), (2.0, False), (3.7, True)):
         monkeypatch.setattr(determinism.os, "getloadavg", lambda load=load: (load, 0.0, 0.0))
@@ -135,6 +135,7 @@ def test_a_busy_machine_is_one_warning_before_the_run_and_an_idle_one_none(monke
         lines = [r.getMessage() for r in caplog.records]
         assert len(lines) == int(warned), (load, lines)
     assert lines[0].startswith("this machine is busy before the run starts (load average 3.7 on 2")
+    assert "its 2 threads will wait on the others'" in lines[0]
     assert "determinism.cpu_threads=1 loader=single" in lines[0]
     monkeypatch.setenv("LOCAL_RANK", "1")
     caplog.clear()

@@ -70,7 +70,7 @@ def test_a_zoo_style_constructor_plugs_in_by_its_target(tmp_path):
         "config error: model._target_='forked_project.zoo_model' gives 12 output channel(s) a "
         "sample, the data has 10 classes: model.num_classes=12 in its YAML; leave it out."
     )
-    assert not (tmp_path / "twelve" / "checkpoint.pt").exists()
+    assert not (tmp_path / "twelve").exists()  # stopped before the run directory
 
 
 def test_a_zoo_model_that_wants_the_class_count_by_another_name_is_told_which(tmp_path):
@@ -83,6 +83,7 @@ def test_a_zoo_model_that_wants_the_class_count_by_another_name_is_told_which(tm
     zoo = ["experiment=segmentation", "~model", "+model._target_=forked_project.ClassesNet"]
     with pytest.raises(ConfigError) as err:
         train_here(tmp_path / "one", *zoo, *small)
+    assert not (tmp_path / "one").exists()
     assert str(err.value) == (
         "config error: model._target_='forked_project.ClassesNet' gives 1 output channel(s) a "
         "sample, the data has 4 classes: its constructor takes the count as 'classes', not "

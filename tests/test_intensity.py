@@ -341,7 +341,7 @@ def test_the_shipped_transforms_take_float32_and_are_keyed(transform):
     image, mask = float_sample()
     pipeline = KeyedPipeline(transform, seed=11)
     out, out_mask = pipeline(image, mask, 0, 3)
-    assert out.dtype == torch.float32 and out.shape == (3, 16, 16) and out_mask.shape == (16, 16)
+    assert out.dtype == torch.float32 and out.shape == (2, 16, 16) and out_mask.shape == (16, 16)
     again = pipeline(image.clone(), mask.clone(), 0, 3)
     assert torch.equal(again[0], out) and torch.equal(again[1], out_mask)
     if type(transform) not in (Resize, CenterResize):  # the random ones
@@ -387,7 +387,7 @@ def test_torchvision_v2_recipes_run_on_float32_inputs():
     )
     pipeline = KeyedPipeline(lambda im, t: (recipe(im), t), seed=1)
     out = pipeline(image, 0, 0, 2)[0]
-    assert out.dtype == torch.float32 and out.shape == (2, 16, 16)
+    assert out.dtype == torch.float32 and out.shape == (3, 16, 16)
     assert torch.equal(pipeline(image, 0, 0, 2)[0], out)
 
 

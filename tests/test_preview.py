@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import CONF_DIR
+from optional import require
 from repro.build import build_data, build_loader
 from repro.cli import main
 from repro.config import compose
@@ -20,7 +21,7 @@ from repro.data import (
 )
 from repro.preview import CELL, GAP, preview_splits, rgb8, run_preview, write_preview
 
-Image = pytest.importorskip("PIL.Image")  # to decode what the zlib writer wrote
+Image = require("PIL.Image", "pip install -e .[images]")  # decodes what the zlib writer wrote
 
 # 16 segmentation samples of 32×32: 2 steps of 8 an epoch, so step 2 is epoch 1's first
 SEGMENTATION = [

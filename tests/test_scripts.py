@@ -295,7 +295,9 @@ def test_augment_benchmark_times_the_loader_keyed_and_unkeyed(tmp_path):
     assert "| 0 |" in table and "keyed / unkeyed" in table
 
 
-def test_make_train_says_whether_this_machine_is_the_published_digests(tmp_path, monkeypatch):
+def test_make_train_says_whether_this_machine_is_the_published_digests(
+    tmp_path, monkeypatch, capsys
+):
     """scripts/published_digest.py: the README's digest with the fingerprint entries that
     decide it (benchmarks/default-run.json); a run whose entries match gave it or is named as
     a mismatch; one whose entries differ is told which, and that another digest is expected."""
@@ -323,12 +325,21 @@ def test_make_train_says_whether_this_machine_is_the_published_digests(tmp_path,
         (run_dir / "summary.json").write_text(json.dumps({"weights_sha256": weights}))
         return run_dir
 
+    # the entries it compares are the ones a run's env.json records
+    from repro.fingerprint import determinism_flags, environment
+
+    recorded = {"environment": environment(), "flags": determinism_flags()}
+    assert all(key in recorded[section] for section, key, _ in script.DECIDING)
     same = run("same", record["deciding"], digest)
     assert script.main([str(same)]) == 0
+    assert "this machine decides the bits alike, and gave it" in capsys.readouterr().out
     assert script.newest_run(tmp_path / "outputs") == same
     other = run("other", {**record["deciding"], "intra_op_threads": 1}, "ab" * 32)
     monkeypatch.chdir(tmp_path)
     assert script.main([str(other)]) == 0  # another digest expected: no error
+    said = capsys.readouterr().out
+    assert "(intra-op threads: 1 here vs 2)" in said and "another digest is expected" in said
     broken = run("broken", record["deciding"], "cd" * 32)
-    assert script.main([str(broken)]) == 1  # the same entries, other bits: said, exit 1
+    assert script.main([str(broken)]) == 0  # the same entries, other bits: said, not fatal
+    assert "but this run gave cdcdcdcd…cdcdcdcd" in capsys.readouterr().err
     assert script.main([str(tmp_path / "none")]) == 2

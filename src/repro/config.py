@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from repro.errors import ConfigError, MissingPackage
 
@@ -622,6 +622,25 @@ def _validate_augment(cfg: DictConfig) -> None:
             )
         target = _locate_target(f"augment.{part}", str(entry._target_))
         _check_arguments(f"augment.{part}", entry, target)
+        for key, dotted in _nested_targets(entry, f"augment.{part}"):
+            _locate_target(key, dotted)  # a library's transform: installed and importable
+
+
+def _nested_targets(node: Any, key: str) -> list[tuple[str, str]]:
+    """``(key, _target_)`` of every node inside ``node`` (not ``node`` itself) that names a
+    ``_target_``: the transforms a pipeline's list builds (``augment.train.transforms.0``)."""
+    found: list[tuple[str, str]] = []
+    items: Any = (
+        node.items() if isinstance(node, DictConfig) else enumerate(node)
+        if isinstance(node, ListConfig) else []
+    )  # fmt: skip
+    for k, child in items:
+        if k == "_target_" or not isinstance(child, DictConfig | ListConfig):
+            continue
+        if isinstance(child, DictConfig) and "_target_" in child:
+            found.append((f"{key}.{k}", str(child._target_)))
+        found += _nested_targets(child, f"{key}.{k}")
+    return found
 
 
 def _validate_loggers(node: Any) -> None:

@@ -219,17 +219,15 @@ def _layer1_cpu(report: DeterminismReport, cfg: DictConfig) -> None:
 
 
 def machine_load() -> tuple[float, int] | None:
-    """The 1-minute load average and the cores this process may use; None where the system
-    does not say (Windows)."""
+    """The 1-minute load average and the machine's cores (the load counts every process on
+    the machine, so it is compared with all of them, not with this process's share: on a
+    cluster node a job's 2 of 64 cores say nothing of the node's load); None where the
+    system does not say (Windows)."""
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):
         return None
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        cores = os.cpu_count() or 1
-    return load, cores
+    return load, os.cpu_count() or 1
 
 
 def warn_if_busy(threads: int) -> None:
@@ -245,11 +243,11 @@ def warn_if_busy(threads: int) -> None:
     if load <= cores:
         return
     logging.getLogger("repro").warning(
-        "this machine is busy before the run starts (load average %.1f on %d cores): it will "
-        "run slowly; wait for the other jobs, or give each run fewer threads, e.g. "
-        "determinism.cpu_threads=1 loader=single (the thread count is part of the config, "
-        "and of the bits on a CPU: compare runs that used the same).",
-        load, cores,
+        "this machine is busy before the run starts (load average %.1f on %d cores): its %d "
+        "threads will wait on the others'; wait for the other jobs, or give each run fewer, "
+        "e.g. determinism.cpu_threads=1 loader=single (the thread count is part of the "
+        "config, and of the bits on a CPU: compare runs that used the same).",
+        load, cores, threads,
     )  # fmt: skip
 
 

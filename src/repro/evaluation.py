@@ -28,7 +28,7 @@ from repro.data.augment import stack, stack_targets
 from repro.errors import ConfigError
 from repro.rng import global_rng_states, set_global_rng_states
 from repro.sliding_window import predict_logits, resize_logits
-from repro.tasks import Classification, Segmentation, Task
+from repro.tasks import Task
 
 
 @dataclass
@@ -236,15 +236,15 @@ def check_task(
 ) -> list[str]:
     """The task's metrics on a few validation samples before the first step, so that a wrong
     headline or metric name fails now, not at the first evaluation; returns their names. For
-    a classification or segmentation task, the model's outputs must have one channel a class
-    of the data: a zoo model that did not get the count is one line naming the argument it
+    a task with ``one_output_a_class`` (classification, segmentation and their subclasses),
+    the model's outputs must have one channel a class of the data: a zoo model that did not get the count is one line naming the argument it
     wanted (:func:`repro.build.class_count_problem`, from ``model_cfg``). The global RNGs are
     put back afterwards (a model may draw from them even in evaluation), so the run's bits
     are those it would have without the check."""
     split, num_classes = data.val, data.num_classes
     states = global_rng_states()
     channels: list[int] = []
-    checked = isinstance(training.task, Classification | Segmentation)
+    checked = bool(getattr(training.task, "one_output_a_class", False))
 
     def record(module: torch.nn.Module, inputs: object, output: object) -> None:
         if isinstance(output, torch.Tensor) and output.dim() >= 2 and not channels:

@@ -150,6 +150,11 @@ def _train(
     cfg, t = run.cfg, run.cfg.trainer
     chosen = choose_loader(cfg, data, run.device)  # loader=auto: the same bits whichever
     report_data(report, chosen, data, cfg)
+    normalize = DeviceNormalizer(data, run.device, training.channels_last)
+    # the task's metrics and the model's class count on a few samples: before the directory
+    metric_names = on_main(
+        functools.partial(check_task, training, data, normalize, cfg.model), world
+    )
     signals.stop_before_training(run.dir)
     # rank 0 takes the directory's lock and looks at it (and refuses before writing
     # anything); every rank gets its answer and the checkpoint to resume from
@@ -166,10 +171,8 @@ def _train(
     resumes = restore(run, training, resume) if resume else []
     loader = build_loader(cfg, data, run.device, start, (first, count), chosen.cfg)
     steps_per_epoch = loader.sampler.steps_per_epoch
-    normalize = DeviceNormalizer(data, run.device, training.channels_last)
     reducer = make_reducer(cfg, world)
     describe(run, training, data, count, chosen)
-    metric_names = check_task(training, data, normalize, cfg.model) if world.main else []
     logs = open_logs(run, training, steps_per_epoch, metric_names, resume)
     checkpoints = open_checkpoints(run, training, steps_per_epoch, resumes, resume)
     signals.stop_before_training(run.dir, start)
@@ -245,9 +248,9 @@ def report_data(
 
 
 def augment_choice(cfg: DictConfig) -> str:
-    """``augment=segmentation: train SegmentationAugment, eval Resize``: the group's option
-    (where Hydra composed the run: an experiment preset's choice shows here) and the class of
-    each pipeline's ``_target_``."""
+    """``augment=segmentation (experiment=segmentation): train SegmentationAugment, eval
+    Resize``: the group's option and the preset the run was composed with (where Hydra
+    composed it: ``train.py``), and the class of each pipeline's ``_target_``."""
     from hydra.core.hydra_config import HydraConfig
 
     node = cfg.get("augment") or {}
@@ -255,10 +258,12 @@ def augment_choice(cfg: DictConfig) -> str:
     for part in ("train", "eval"):
         target = (node.get(part) or {}).get("_target_") if node.get(part) else None
         parts.append(f"{part} {str(target).rsplit('.', 1)[-1] if target else 'none'}")
-    option = None
+    option = preset = None
     if HydraConfig.initialized():
         option = HydraConfig.get().runtime.choices.get("augment")
-    return f"augment={option}: {', '.join(parts)}" if option else ", ".join(parts)
+        preset = HydraConfig.get().runtime.choices.get("experiment")
+    chose = f" (experiment={preset})" if preset and option else ""
+    return f"augment={option}{chose}: {', '.join(parts)}" if option else ", ".join(parts)
 
 
 @dataclass(frozen=True)

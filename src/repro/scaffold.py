@@ -363,10 +363,11 @@ with each other, never with a digest written down (another CPU gives other bits)
 
 import pytest
 
+from optional import require
 from repro.testing import assert_same_bits, train, train_killed
 
 pytestmark = pytest.mark.e2e  # starts train.py: `make test`, not `make test-fast`
-pytest.importorskip("PIL", reason="the mask folder is read with Pillow: pip install -e .[images]")
+require("PIL", "the mask folder is read with Pillow: pip install -e .[images]")  # else: skip
 
 EXPERIMENT = ["experiment={name}"]
 # On the CPU, on every machine (2 processes need no 2 GPUs); on a GPU, `repro doctor

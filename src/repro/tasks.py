@@ -55,6 +55,9 @@ class Task:
 
     headline: str = "val_loss"
     higher_is_better: bool = False
+    # the model gives one output channel a class of the data (outputs.shape[1]): checked
+    # before step 1; a task whose model gives more (an extra head) sets it False
+    one_output_a_class: bool = False
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -83,6 +86,7 @@ class Classification(Task):
 
     headline = "val_accuracy"
     higher_is_better = True
+    one_output_a_class = True
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         _check_shapes("classification", outputs, targets, 2, 1)
@@ -181,6 +185,7 @@ class Segmentation(Task):
 
     headline = "val_dice"
     higher_is_better = True
+    one_output_a_class = True
 
     def __init__(
         self,

@@ -93,7 +93,7 @@ class _Recording:
 
     def files(self) -> list[dict[str, Any]]:
         """``[{path, sha256, bytes}]`` of what was read or downloaded and still exists, one entry
-        a file (a download and its read, a link and its target, are one)."""
+        a file (a download and its read, a link and its target, are one), sorted by path."""
         seen, out = set(), []
         for name in [*self.read, *self.downloaded]:
             try:
@@ -105,7 +105,7 @@ class _Recording:
             except OSError:  # gone or unreadable since: a failed open looks the same
                 continue
             out.append({"path": name, "sha256": digest, "bytes": size})
-        return out
+        return sorted(out, key=lambda f: (f["path"], f["sha256"]))  # not the order threads read
 
 
 _ACTIVE: list[_Recording] = []  # the open contexts, innermost last
