@@ -137,10 +137,12 @@ def test_downloads_into_the_caches_are_recorded_by_their_final_name(tmp_path, mo
         os.replace(blobs / "0a1b.incomplete", blobs / "0a1b")
         (snapshot / "model.safetensors").symlink_to(blobs / "0a1b")
         (snapshot / "config.json").write_text("{}")
-    assert [(w["path"], w["sha256"]) for w in weights] == [
-        (str(hub / "net.pth"), hashlib.sha256(b"torch hub").hexdigest()),
-        (str(snapshot / "model.safetensors"), hashlib.sha256(b"hugging face").hexdigest()),
-    ]
+    assert [(w["path"], w["sha256"]) for w in weights] == sorted(  # by path: a fixed order
+        [
+            (str(hub / "net.pth"), hashlib.sha256(b"torch hub").hexdigest()),
+            (str(snapshot / "model.safetensors"), hashlib.sha256(b"hugging face").hexdigest()),
+        ]
+    )
 
 
 def stub_safetensors() -> types.ModuleType:
