@@ -151,10 +151,7 @@ def _train(
     chosen = choose_loader(cfg, data, run.device)  # loader=auto: the same bits whichever
     report_data(report, chosen, data, cfg)
     normalize = DeviceNormalizer(data, run.device, training.channels_last)
-    # the task's metrics and the model's class count on a few samples: before the directory
-    metric_names = on_main(
-        functools.partial(check_task, training, data, normalize, cfg.model), world
-    )
+    metric_names = checked_task(run, training, data, normalize)  # before the run directory
     signals.stop_before_training(run.dir)
     # rank 0 takes the directory's lock and looks at it (and refuses before writing
     # anything); every rank gets its answer and the checkpoint to resume from
@@ -234,6 +231,16 @@ def _train(
     clock.stop()
     done_with = (run, training, data, checkpoints, logs, tracer, clock, chosen)
     return broadcast_object(finish(*done_with) if world.main else None, world)
+
+
+def checked_task(
+    run: Run, training: Training, data: DataSplits, normalize: DeviceNormalizer
+) -> list[str]:
+    """The task's metric names, from its metrics on a few validation samples, and the model's
+    class count checked against the data's (:func:`repro.evaluation.check_task`): on rank 0,
+    every rank getting the names or the error, before the run directory is touched."""
+    check = functools.partial(check_task, training, data, normalize, run.cfg.model)
+    return on_main(check, run.world)
 
 
 def report_data(
