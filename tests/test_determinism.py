@@ -120,21 +120,31 @@ def test_warn_mode_is_strict_with_warnings_and_the_nan_fill(tmp_path):
 
 def test_a_busy_machine_is_one_warning_before_the_run_and_an_idle_one_none(monkeypatch, caplog):
     """Two runs at once on 2 cores each pin 2 threads and start 2 loader workers: both crawl.
-    A run that starts on a machine already loaded above its cores says so, with the fix; one
-    run on an idle machine says nothing (as the 1-minute load average stays at or below the
-    cores), nor does rank 1 of a launch."""
+    A run that starts while as many other threads run as there are cores (or, without that
+    count, the last minute's load is above them) says so, with the fix; one run on an idle
+    machine says nothing, nor one right after work that has ended (the average still counts
+    it, nothing runs now), nor rank 1 of a launch."""
     from repro import determinism
 
-    monkeypatch.setattr(determinism.os, "cpu_count", lambda: 2)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    for load, warned in ((1.9, False), (2.0, False), (3.7, True)):
-        monkeypatch.setattr(determinism.os, "getloadavg", lambda load=load: (load, 0.0, 0.0))
+    cases = [  # (1-minute load, other threads running now, warned?) on 2 cores
+        (0.3, 0, False),
+        (2.6, 0, False),  # make install just ended
+        (2.6, 1, False),
+        (1.2, 3, True),  # a run started 20 s ago: its threads run, the average lags
+        (1.9, None, False),  # no /proc/loadavg: the average alone
+        (3.7, None, True),
+    ]
+    for load, others, warned in cases:
+        monkeypatch.setattr(determinism, "machine_load", lambda c=(load, others): (*c, 2))
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="repro"):
             determinism.warn_if_busy(2)
         lines = [r.getMessage() for r in caplog.records]
-        assert len(lines) == int(warned), (load, lines)
-    assert lines[0].startswith("this machine is busy before the run starts (load average 3.7 on 2")
+        assert len(lines) == int(warned), (load, others, lines)
+    assert lines[0].startswith(
+        "this machine is busy before the run starts (load average 3.7 on 2 c"
+    )
     assert "its 2 threads will wait on the others'" in lines[0]
     assert "determinism.cpu_threads=1 loader=single" in lines[0]
     monkeypatch.setenv("LOCAL_RANK", "1")
@@ -142,3 +152,5 @@ def test_a_busy_machine_is_one_warning_before_the_run_and_an_idle_one_none(monke
     with caplog.at_level(logging.WARNING, logger="repro"):
         determinism.warn_if_busy(2)
     assert caplog.records == []
+    load, others, cores = determinism.machine_load()  # this machine: numbers, not None
+    assert load >= 0 and cores >= 1 and (others is None or others >= 0)

@@ -22,6 +22,7 @@ import importlib
 import json
 import logging
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -218,36 +219,49 @@ def _layer1_cpu(report: DeterminismReport, cfg: DictConfig) -> None:
     warn_if_busy(int(torch.get_num_threads()))
 
 
-def machine_load() -> tuple[float, int] | None:
-    """The 1-minute load average and the machine's cores (the load counts every process on
-    the machine, so it is compared with all of them, not with this process's share: on a
+def machine_load() -> tuple[float, int | None, int] | None:
+    """The 1-minute load average, the threads running now besides this one (Linux:
+    ``/proc/loadavg``, the fewest of three looks; None elsewhere) and the machine's cores. Both count every process on
+    the machine, so they are compared with all its cores, not this process's share (on a
     cluster node a job's 2 of 64 cores say nothing of the node's load); None where the
-    system does not say (Windows)."""
+    system gives no load average (Windows)."""
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):
         return None
-    return load, os.cpu_count() or 1
+    others: int | None = None
+    for attempt in range(3):  # the fewest of 3 looks, 20 ms apart: not a passing daemon
+        try:
+            with open("/proc/loadavg") as f:
+                now = int(f.read().split()[3].split("/")[0]) - 1  # less this thread
+        except (OSError, ValueError, IndexError):
+            break
+        others = now if others is None else min(others, now)
+        if attempt < 2:
+            time.sleep(0.02)
+    return load, others, os.cpu_count() or 1
 
 
 def warn_if_busy(threads: int) -> None:
-    """One warning when the machine is busy before this run starts (the load average above
-    its cores: another run of this template, a test suite): sharing cores, each run's
+    """One warning when the machine is busy as this run starts -- as many other threads
+    running right now as it has cores (where the system says; else the last minute's load
+    above them): another run of this template, a test suite. Sharing cores, each run's
     threads wait on the others' (two strict runs with 2 threads and 2 loader workers each
-    ran 40x slower on 2 cores). Rank 0 of a launch only; never for one run on an idle
-    machine."""
+    ran 40x slower on 2 cores). Not for a run that follows work that just ended (``make
+    install``: the average still counts it, nothing runs now), nor on rank 1 and up."""
     measured = machine_load()
     if measured is None or os.environ.get("LOCAL_RANK", "0") != "0":
         return
-    load, cores = measured
-    if load <= cores:
+    load, others, cores = measured
+    if (others < cores) if others is not None else (load <= cores):
         return
     logging.getLogger("repro").warning(
-        "this machine is busy before the run starts (load average %.1f on %d cores): its %d "
+        "this machine is busy before the run starts (load average %.1f on %d cores, %s "
+        "other threads running): its %d "
         "threads will wait on the others'; wait for the other jobs, or give each run fewer, "
         "e.g. determinism.cpu_threads=1 loader=single (the thread count is part of the "
         "config, and of the bits on a CPU: compare runs that used the same).",
-        load, cores, threads,
+        load, cores, "?" if others is None else others, threads,
     )  # fmt: skip
 
 
