@@ -229,6 +229,7 @@ def machine_load() -> tuple[float, int | None, int] | None:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):
         return None
+    cores = os.cpu_count() or 1
     others: int | None = None
     for attempt in range(3):  # the fewest of 3 looks, 20 ms apart: not a passing daemon
         try:
@@ -237,9 +238,10 @@ def machine_load() -> tuple[float, int | None, int] | None:
         except (OSError, ValueError, IndexError):
             break
         others = now if others is None else min(others, now)
-        if attempt < 2:
-            time.sleep(0.02)
-    return load, others, os.cpu_count() or 1
+        if others < cores or attempt == 2:  # idle at the first look: no waiting at start-up
+            break
+        time.sleep(0.02)
+    return load, others, cores
 
 
 def warn_if_busy(threads: int) -> None:

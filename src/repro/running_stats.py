@@ -18,6 +18,7 @@ the same order.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -27,6 +28,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 
 from repro.errors import ConfigError
+
+log = logging.getLogger("repro")
 
 
 class RunningStats:
@@ -119,8 +122,6 @@ class RunningStats:
         """After the first captured forward: the layers it did not run become idle (named in
         a warning, their buffers left as they are); returns that forward's statistics in the
         layout of the layers that ran."""
-        import logging
-
         kept = [i for i, r in enumerate(ran) if r]
         idle = [self.layers[i][0] for i, r in enumerate(ran) if not r]
         self._idle_ids = {id(self._norms[i]): self.layers[i][0] for i, r in enumerate(ran) if not r}
@@ -130,7 +131,7 @@ class RunningStats:
         self._norms = [m for _, m in self.layers]
         self._index = {id(m): i for i, m in enumerate(self._norms)}
         shown = ", ".join(idle[:4]) + (f" and {len(idle) - 4} more" if len(idle) > 4 else "")
-        logging.getLogger("repro").warning(
+        log.warning(
             "BatchNorm layer(s) %s never ran in the training forward: left out of the running "
             "statistics (theirs stay as initialised; their parameters get zero gradients). If the "
             "model builds layers it does not use (smp: encoder_depth below 5), that is all; "
