@@ -1,7 +1,7 @@
 """Train: `python train.py [group=option ...] [key=value ...]` (see README.md).
 
 The package (and torch) is imported inside ``main``: a bad command line is reported, and
-strict mode's re-execution happens (``repro.process_env``), before torch is loaded."""
+strict mode's re-execution happens (``repro.defense.process_env``), before torch is loaded."""
 
 import json
 import logging
@@ -17,8 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from repro.config import check_overrides
-from repro.errors import (
+from repro.base.errors import (
     INTERRUPTED_EXIT_CODE,
     JobFailed,
     Preempted,
@@ -26,18 +25,19 @@ from repro.errors import (
     exit_with,
     report_error,
 )
-from repro.files import ERROR_FILE, LAUNCH_DIR, LOG_FILE, open_run_file, resume_command
-from repro.process_env import under_torchrun
-from repro.signals import arm as arm_preemption
+from repro.base.files import ERROR_FILE, LAUNCH_DIR, LOG_FILE, open_run_file, resume_command
+from repro.base.signals import arm as arm_preemption
+from repro.defense.config import check_overrides
+from repro.defense.process_env import under_torchrun
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float:
-    from repro.checkpoint import atomic_write
-    from repro.dist import explain_timeout, launched_world, record_elastic_run, shutdown
-    from repro.loop import train
+    from repro.engine.dist import explain_timeout, launched_world, record_elastic_run, shutdown
+    from repro.engine.loop import train
+    from repro.records.checkpoint import atomic_write
 
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
@@ -128,7 +128,7 @@ def main(cfg: DictConfig) -> float:
 def _fault_kill():
     """``REPRO_FAULT_KILL_AFTER_STEP=N``: this process SIGKILLs itself right after optimizer
     step N, before that step is recorded -- a kill at a known point, for the tests of a
-    fork's experiment (``repro.testing.train_killed``). Under torchrun, with
+    fork's experiment (``repro.tools.testing.train_killed``). Under torchrun, with
     ``REPRO_FAULT_KILL_RANK=R`` only rank R, and only before torchrun restarts the group.
     ``REPRO_FAULT_SIGNAL=SIGUSR2`` sends that signal instead (a pre-emption notice: the run
     checkpoints after step N and stops, and a resumed run never sees step N again).

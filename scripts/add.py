@@ -204,7 +204,7 @@ def import_names(dist: str) -> list[str]:
     if names:
         return sorted(names)
     try:  # the known exceptions to "-" -> "_" (imports torch and Hydra: only when needed)
-        from repro.config import IMPORT_NAMES
+        from repro.defense.config import IMPORT_NAMES
     except ImportError:
         IMPORT_NAMES = {}
     return [IMPORT_NAMES.get(canonical(dist), canonical(dist).replace("-", "_"))]

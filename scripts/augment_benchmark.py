@@ -63,7 +63,7 @@ def unkeyed() -> None:
     pipeline's draws from one generator a process, the global states left as they are."""
     import torch
 
-    from repro.data import augment
+    from repro.components.data import augment
 
     generator = torch.Generator().manual_seed(0)
 
@@ -78,9 +78,9 @@ def unkeyed() -> None:
         return self.pipeline(image, target, **kwargs)
 
     augment.KeyedPipeline.__call__ = call
-    import repro.build
+    import repro.engine.build
 
-    repro.build.check_pipelines = lambda *a, **k: None  # it would (rightly) refuse this
+    repro.engine.build.check_pipelines = lambda *a, **k: None  # it would (rightly) refuse this
 
 
 def throughput(cfg, workers: int, batches: int, warmup: int) -> float:
@@ -88,8 +88,8 @@ def throughput(cfg, workers: int, batches: int, warmup: int) -> float:
     import torch
     from omegaconf import OmegaConf
 
-    from repro.build import build_data, build_loader
-    from repro.data import loading
+    from repro.components.data import loading
+    from repro.engine.build import build_data, build_loader
 
     loader_cfg = OmegaConf.merge(cfg, {"loader": {"num_workers": workers}})
     data = build_data(loader_cfg)
@@ -110,8 +110,8 @@ def keying_cost(repeats: int = 2000) -> dict[str, float]:
 
     import torch
 
-    from repro.data.augment import keyed_global_state
-    from repro.rng import derive_seed
+    from repro.base.rng import derive_seed
+    from repro.components.data.augment import keyed_global_state
 
     def per_sample() -> float:
         t0 = time.perf_counter()
@@ -154,9 +154,9 @@ def main() -> None:
     if args.cell:
         return run_cell(args.cell)
 
-    from repro.config import compose
-    from repro.fingerprint import environment
-    from repro.process_env import required_process_env
+    from repro.defense.config import compose
+    from repro.defense.process_env import required_process_env
+    from repro.records.fingerprint import environment
 
     folder = make_folder(args.root, args.images, args.min_side, args.max_side)
     overrides = [
@@ -266,8 +266,8 @@ def run_cell(cell: str) -> None:
 
     import torch
 
-    from repro.config import compose
-    from repro.determinism import apply_determinism
+    from repro.defense.config import compose
+    from repro.defense.determinism import apply_determinism
 
     overrides, workers, keyed, batches, warmup = json.loads(cell)
     if not keyed:

@@ -6,7 +6,7 @@
     python scripts/benchmark.py --reference           # the README's commands vs a hand loop
 
 For each model (the default ConvNet at its default batch; the ResNet-18 preset at batch 256;
-with ``--models unet unet-stock`` the segmentation UNet at 128×128, batch 32, with repro.ops
+with ``--models unet unet-stock`` the segmentation UNet at 128×128, batch 32, with repro.components.ops
 and with PyTorch's ops) and precision (amp off/on), every loader (single/multi/device) x determinism (strict/fast)
 cell runs `--repeats` times, the cells rotated together. Throughput is images/s over the
 steps after `--warmup` (timed with CUDA synchronisation at both ends, evaluation excluded);
@@ -39,13 +39,13 @@ from pathlib import Path
 import torch
 from _results import command_line, environment_line, run_json, today, write_results
 
-from repro.config import compose
-from repro.loop import train
-from repro.process_env import pin_process_environment
+from repro.defense.config import compose
+from repro.defense.process_env import pin_process_environment
+from repro.engine.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The UNet preset at 128x128, batch 32 in one micro-batch: with repro.ops (the preset) and
+# The UNet preset at 128x128, batch 32 in one micro-batch: with repro.components.ops (the preset) and
 # with PyTorch's ops (nn.Upsample, and F.cross_entropy on (N*H*W, C), the usual workaround
 # for the 4-D form, which raises in strict mode). augment=crop_flip: the augmentation
 # loader=device runs on the GPU, as the hand-written reference does (the preset's own,
@@ -248,7 +248,7 @@ def flops_per_image(overrides: list[str]) -> float:
     and convolutions, 2 per multiply-add), counted on the CPU with 8 images."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from repro.build import build_data, build_model, build_task
+    from repro.engine.build import build_data, build_model, build_task
 
     cfg = compose(overrides, ROOT / "conf")
     splits = build_data(cfg)
@@ -427,7 +427,7 @@ def main() -> int:
                 rows += group
                 across.append((model, amp, len(set().union(*(r["strict_weights"] for r in group)))))
 
-    from repro.fingerprint import environment
+    from repro.records.fingerprint import environment
 
     flops = {model: flops_per_image(MODELS[model]) for model in args.models}
     for r in rows:
@@ -509,7 +509,7 @@ def main_reference(args: argparse.Namespace) -> int:
         first = READMES_COMMAND[args.models[0]]
         timed_run(first, args.warmup + 5, args.warmup, Path(tmp) / "warm")
         rows = reference_comparison(args, Path(tmp))
-    from repro.fingerprint import environment
+    from repro.records.fingerprint import environment
 
     flops = {model: flops_per_image(READMES_COMMAND[model]) for model in args.models}
     env, command, date = environment(), command_line(), today()

@@ -26,7 +26,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from repro.build import (
+from repro.base.rng import seed_forward
+from repro.base.world import device_for, launched_world
+from repro.components.data import DeviceNormalizer, loading
+from repro.defense.config import compose
+from repro.defense.determinism import apply_determinism
+from repro.engine.build import (
     Precision,
     build_data,
     build_loader,
@@ -36,13 +41,8 @@ from repro.build import (
     build_task,
     uses_channels_last,
 )
-from repro.config import compose
-from repro.data import DeviceNormalizer, loading
-from repro.determinism import apply_determinism
-from repro.dist import device_for, launched_world
-from repro.reduction import check_split, share
-from repro.rng import seed_forward
-from repro.trace import state_dict_sha256
+from repro.engine.reduction import check_split, share
+from repro.records.trace import state_dict_sha256
 
 ROOT = Path(__file__).resolve().parents[1]
 

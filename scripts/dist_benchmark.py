@@ -98,7 +98,7 @@ def launch(
 def share_overrides(overrides: list[str], world_size: int) -> list[str]:
     """``overrides`` with ``trainer.batch_size`` divided by ``world_size``: one rank's
     micro-batches, trained by one process."""
-    from repro.config import compose
+    from repro.defense.config import compose
 
     batch = int(compose(overrides, ROOT / "conf").trainer.batch_size)
     if batch % world_size:

@@ -33,8 +33,8 @@ def rank_zero_env(world_size: int) -> dict[str, str]:
 
 def join_fake_world(cfg: Any) -> None:
     """Join torch's fake process group as rank 0 of ``WORLD_SIZE`` (the environment's), so
-    that ``repro.dist.init`` finds the group and keeps it; put the NCCL settings in place as
-    ``repro.dist.init`` would (strict mode checks them; nothing reads them here)."""
+    that ``repro.engine.dist.init`` finds the group and keeps it; put the NCCL settings in place as
+    ``repro.engine.dist.init`` would (strict mode checks them; nothing reads them here)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -55,10 +55,10 @@ def main() -> None:
         p.error("--world must be at least 2 (one process needs no fake group: use train.py)")
     os.environ.update(rank_zero_env(args.world))  # before the re-execution: it keeps them
 
-    from repro.config import compose
-    from repro.dist import shutdown
-    from repro.loop import train
-    from repro.process_env import pin_process_environment
+    from repro.defense.config import compose
+    from repro.defense.process_env import pin_process_environment
+    from repro.engine.dist import shutdown
+    from repro.engine.loop import train
 
     cfg = compose(args.overrides, ROOT / "conf")
     pin_process_environment(cfg.determinism)  # strict: re-executes once (PYTHONHASHSEED, ...)

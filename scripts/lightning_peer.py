@@ -27,7 +27,9 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from repro.build import (
+from repro.components.data import CROP_PAD, IGNORE, DeviceNormalizer, crop_flip_batch
+from repro.defense.config import compose
+from repro.engine.build import (
     build_data,
     build_model,
     build_optimizer,
@@ -35,9 +37,7 @@ from repro.build import (
     build_task,
     uses_channels_last,
 )
-from repro.config import compose
-from repro.data import CROP_PAD, IGNORE, DeviceNormalizer, crop_flip_batch
-from repro.trace import state_dict_sha256
+from repro.records.trace import state_dict_sha256
 
 ROOT = Path(__file__).resolve().parents[1]
 

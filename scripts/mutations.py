@@ -40,7 +40,7 @@ MUTATIONS = [
     Mutation(
         "sampler",
         "the sampler's start_step forced to 0 (a resumed run replays the first steps' data)",
-        "src/repro/data/loading.py",
+        "src/repro/components/data/loading.py",
         "self.seed, self.start_step = seed, start_step",
         "self.seed, self.start_step = seed, 0",
         [
@@ -51,7 +51,7 @@ MUTATIONS = [
     Mutation(
         "flip",
         "an un-keyed random flip (drawn from the process's global generator)",
-        "src/repro/data/augment.py",
+        "src/repro/components/data/augment.py",
         "draws[:, 2] & 1], 1",
         "torch.randint(0, 2, index.shape, device=index.device)], 1",
         [
@@ -62,7 +62,7 @@ MUTATIONS = [
     Mutation(
         "sequential-sum",
         "the tree reduction replaced by a sequential sum",
-        "src/repro/reduction.py",
+        "src/repro/engine/reduction.py",
         "    if hi - lo == 1:\n        return leaf(lo)\n",
         "    total = leaf(lo)\n    for k in range(lo + 1, hi):\n        total = add(total, leaf(k))\n"
         "    return total\n",
@@ -74,7 +74,7 @@ MUTATIONS = [
     Mutation(
         "rng-restore",
         "the global RNG states not restored on resume",
-        "src/repro/checkpoint.py",
+        "src/repro/records/checkpoint.py",
         '        set_global_rng_states(state["rng"])\n',
         "",
         [
@@ -85,7 +85,7 @@ MUTATIONS = [
     Mutation(
         "mask-stays",
         "a segmentation mask not cropped and flipped with its image",
-        "src/repro/data/augment.py",
+        "src/repro/components/data/augment.py",
         "            targets = crop_flip_batch(targets[:, None], params, self.pad, fill=IGNORE)[:, 0]\n",
         "            pass\n",
         ["tests/test_segmentation.py::test_masks_get_their_images_crop_and_flip"],
@@ -93,7 +93,7 @@ MUTATIONS = [
     Mutation(
         "adjoint-edge",
         "upsample2x's backward without the edge correction (edge weight 0.75, not 1)",
-        "src/repro/ops.py",
+        "src/repro/components/ops.py",
         "    pairs = _pad_one(grad, dim).unflatten(dim, (n + 1, 2))",
         "    pairs = torch.nn.functional.pad(grad, (1, 1) if dim == -1 else (0, 0, 1, 1))"
         ".unflatten(dim, (n + 1, 2))",
@@ -107,7 +107,7 @@ MUTATIONS = [
     Mutation(
         "scatter-order",
         "the reduce-scatter finishing each shard by a left fold over the ranks' partial sums",
-        "src/repro/reduction.py",
+        "src/repro/engine/reduction.py",
         "            mine = finish_tree(ex.k, known, lambda a, b: a.add_(b))",
         "            mine = list(known.values())[0]\n"
         "            for v in list(known.values())[1:]:\n"
@@ -120,7 +120,7 @@ MUTATIONS = [
         "overlap-order",
         "the overlapped exchange adding the last micro-batch's gradients to its left "
         "siblings top first (the tree adds the deepest first)",
-        "src/repro/reduction.py",
+        "src/repro/engine/reduction.py",
         "            for left in reversed(ex.lefts):  # the additions tree_reduce makes",
         "            for left in ex.lefts:  # the additions tree_reduce makes",
         [
@@ -131,7 +131,7 @@ MUTATIONS = [
         "unkeyed-numpy",
         "a user's augmentation drawing from NumPy's global state as the worker left it (the "
         "state not set from the sample's key)",
-        "src/repro/data/augment.py",
+        "src/repro/components/data/augment.py",
         "    np.random.seed([value & 0xFFFFFFFF, value >> 32])\n",
         "",
         [
@@ -143,7 +143,7 @@ MUTATIONS = [
         "private-rng-unseen",
         "the check before step 1 comparing nothing across builds, orders and clock times (a "
         "private generator behind a keyed coin, a call counter, the clock go unseen)",
-        "src/repro/data/pipeline_check.py",
+        "src/repro/components/data/pipeline_check.py",
         "    if any(not _same(ref[k], other[k]) for k in ref):\n        raise ConfigError(_why(",
         "    if False:\n        raise ConfigError(_why(",
         [
@@ -156,7 +156,7 @@ MUTATIONS = [
         "pipeline-writes-stored-image",
         "a user's pipeline given the stored image itself, not a copy (a Cutout in place "
         "changes an in-memory split)",
-        "src/repro/data/augment.py",
+        "src/repro/components/data/augment.py",
         "                image, target = image.clone(), _copy(target)\n",
         "",
         [
@@ -167,7 +167,7 @@ MUTATIONS = [
     Mutation(
         "digest-unchecked",
         "a checkpoint without its sidecar loaded without checking its own digest",
-        "src/repro/checkpoint.py",
+        "src/repro/records/checkpoint.py",
         "        if held is not None and content_sha256(state) != held:",
         "        if False:",
         [
@@ -178,7 +178,7 @@ MUTATIONS = [
     Mutation(
         "no-kernel-lock",
         "the run directory's lock file opened but not locked",
-        "src/repro/rundir.py",
+        "src/repro/records/rundir.py",
         "                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n",
         "                pass\n",
         [
@@ -190,7 +190,7 @@ MUTATIONS = [
     Mutation(
         "untracked-clean",
         "untracked files under src/ and conf/ not counted as dirty (a fork's uncommitted model)",
-        "src/repro/fingerprint.py",
+        "src/repro/records/fingerprint.py",
         '"dirty": bool(diff or untracked),',
         '"dirty": bool(diff),',
         [
@@ -201,7 +201,7 @@ MUTATIONS = [
     Mutation(
         "unpaired-comparison",
         "groups compared unpaired (Welch) although their seeds match",
-        "src/repro/comparisons.py",
+        "src/repro/tools/comparisons.py",
         "if len(common) >= 2:",
         "if len(common) >= 2 and False:",
         ["tests/test_sweep.py::test_two_groups_of_a_sweep_are_compared_seed_by_seed"],
@@ -209,7 +209,7 @@ MUTATIONS = [
     Mutation(
         "pairs-misaligned",
         "a group's values paired with another seed's of the baseline",
-        "src/repro/comparisons.py",
+        "src/repro/tools/comparisons.py",
         "stats.paired([a[s] for s in common], [b[s] for s in common])",
         "stats.paired([a[s] for s in common], [b[s] for s in reversed(common)])",
         ["tests/test_sweep.py::test_two_groups_of_a_sweep_are_compared_seed_by_seed"],
@@ -217,7 +217,7 @@ MUTATIONS = [
     Mutation(
         "channels-last-unrecorded",
         "trainer.channels_last=auto recorded as auto, not as the format the model was built in",
-        "src/repro/loop.py",
+        "src/repro/engine/loop.py",
         "cfg = record_channels_last(self.cfg, channels_last)",
         "cfg = self.cfg",
         [
@@ -228,7 +228,7 @@ MUTATIONS = [
     Mutation(
         "mask-top-left",
         "a mask resized by top-left nearest, floor(i·n/size): half an output pixel off its image",
-        "src/repro/data/augment.py",
+        "src/repro/components/data/augment.py",
         "    centre = (2 * i + 1) * n\n",
         "    centre = 2 * i * n\n",
         [
@@ -239,7 +239,7 @@ MUTATIONS = [
     Mutation(
         "split-by-position",
         "a file's split keyed by its position in the sorted folder, not by its name",
-        "src/repro/data/splitting.py",
+        "src/repro/components/data/splitting.py",
         'u = {k: keyed_unit(seed, purpose + "/split", k) for k in units}',
         'u = {k: keyed_unit(seed, purpose + "/split", str(i)) for i, k in enumerate(units)}',
         ["tests/test_splits.py::test_adding_a_file_moves_no_other_file"],
@@ -247,7 +247,7 @@ MUTATIONS = [
     Mutation(
         "dice-pooled-headline",
         "the headline val_dice pooled over the split's pixels, not the mean over images",
-        "src/repro/tasks.py",
+        "src/repro/components/tasks.py",
         'out["val_dice"] = _mean([per_image[n][0] for n in self.names[first:]])',
         'out["val_dice"] = _mean(dice[first:])',
         [
@@ -257,7 +257,7 @@ MUTATIONS = [
     Mutation(
         "scored-at-training-size",
         "a squashed model scored against its resized masks, not each native mask",
-        "src/repro/evaluation.py",
+        "src/repro/engine/evaluation.py",
         "if back and _masks_off_size(targets, pipeline.size):",
         "if False:",
         ["tests/test_native.py::test_a_squashed_model_is_scored_against_each_native_mask"],

@@ -3,13 +3,13 @@ costs and whether it keeps the bits.
 
 1. **strict vs fast**: the preset trained in strict and in fast mode, alternated, each
    ``--repeats`` times, on a generated folder of non-square 12-bit images
-   (:func:`repro.data.synthetic.write_nuclei_folder`); steady images/s from summary.json and
+   (:func:`repro.components.data.synthetic.write_nuclei_folder`); steady images/s from summary.json and
    the ratio strict / fast of each pair.
 2. **bits**: the preset trained with ``loader=multi`` twice and with ``loader=single`` once:
    one weights digest, one ``val_per_image.csv``, and ``repro predict`` on the folder from
    each: the same bytes.
 3. **sliding window**: the preset's UNet on one image of 512² and 1024², images/s of a
-   plain whole-image forward against :func:`repro.sliding_window.predict_logits` (tiles of
+   plain whole-image forward against :func:`repro.engine.sliding_window.predict_logits` (tiles of
    the training patch, overlap 0.5, Gaussian weights, ``--tile-batch``), strict flags.
 
     python scripts/native_benchmark.py --repeats 3 --out benchmarks
@@ -52,16 +52,16 @@ def predict_digest(run_dir: Path, folder: Path, out: Path) -> str:
 def window_speed(tile_batch: int, sides: list[int], repeats: int) -> list[dict]:
     import torch
 
-    from repro.config import compose
-    from repro.data import DataSplits, TensorImages
-    from repro.determinism import apply_determinism
-    from repro.sliding_window import Window, predict_logits
+    from repro.components.data import DataSplits, TensorImages
+    from repro.defense.config import compose
+    from repro.defense.determinism import apply_determinism
+    from repro.engine.sliding_window import Window, predict_logits
 
     cfg = compose(["experiment=segmentation_native", "data=synthetic_shapes", "data.num_classes=3",
                    "data.image_size=128", "augment=none"])  # fmt: skip
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     apply_determinism(cfg, device)
-    from repro.build import Precision, build_model
+    from repro.engine.build import Precision, build_model
 
     images = torch.zeros(2, 1, 128, 128, dtype=torch.uint8)
     data = DataSplits(TensorImages(images, torch.zeros(2, 128, 128, dtype=torch.uint8)),
@@ -117,12 +117,12 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks")
     p.add_argument("overrides", nargs="*", help="added to every training run (e.g. amp=off)")
     args = p.parse_args()
-    from repro.config import compose
-    from repro.process_env import pin_process_environment
+    from repro.defense.config import compose
+    from repro.defense.process_env import pin_process_environment
 
     pin_process_environment(compose([]).determinism)  # strict: re-executes once, as train.py
-    from repro.data.synthetic import write_nuclei_folder
-    from repro.fingerprint import environment
+    from repro.components.data.synthetic import write_nuclei_folder
+    from repro.records.fingerprint import environment
 
     env = environment()
     if args.window_only:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from repro.data.synthetic import write_nuclei_folder
+from repro.components.data.synthetic import write_nuclei_folder
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""repro.ops against PyTorch's ops, forward + backward, strict vs fast flags, on CUDA.
+"""repro.components.ops against PyTorch's ops, forward + backward, strict vs fast flags, on CUDA.
 
     python scripts/ops_benchmark.py                 # the UNet preset's shapes, bf16 autocast
     python scripts/ops_benchmark.py --repeats 5 --calls 50
@@ -8,7 +8,7 @@ Bilinear 2× upsampling at each level of the UNet preset (width 32, depth 4, 128
 32) and the per-pixel cross-entropy on its logits, each timed as forward + backward under
 ``torch.autocast(bfloat16)`` as training runs them: PyTorch's op with fast flags, PyTorch's
 op with strict flags (``use_deterministic_algorithms(True)``, cuDNN deterministic, no
-autotuning), and repro.ops's with both. Every cell is the median of ``--calls``
+autotuning), and repro.components.ops's with both. Every cell is the median of ``--calls``
 calls; the cells are interleaved, ``--repeats`` times, and the table shows the median and
 the spread of those medians. Writes benchmarks/ops-<date>-<gpu>.md/.json.
 """
@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from _results import command_line, environment_line, today, write_results
 
-import repro.ops as ops
-from repro.determinism import flags_restored
-from repro.fingerprint import environment
+import repro.components.ops as ops
+from repro.defense.determinism import flags_restored
+from repro.records.fingerprint import environment
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -150,7 +150,7 @@ def main() -> int:
     facts = forward_facts(levels[0])
     env, command, date = environment(), command_line(), today()
     lines = [
-        f"# repro.ops vs PyTorch's ops, {date}",
+        f"# repro.components.ops vs PyTorch's ops, {date}",
         "",
         f"`{command}`",
         "",

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""What the augmentation self-check (``repro.data.pipeline_check``) costs at launch, for
+"""What the augmentation self-check (``repro.components.data.pipeline_check``) costs at launch, for
 each shipped pipeline on the data it is made for:
 
     python scripts/pipeline_check_benchmark.py --repeats 5
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def cases(root: Path) -> dict[str, list[str]]:
     from augment_benchmark import make_folder
 
-    from repro.data.synthetic import write_nuclei_folder
+    from repro.components.data.synthetic import write_nuclei_folder
 
     jpegs = make_folder(root, 200, 300, 500)
     nuclei = root / "nuclei"
@@ -63,9 +63,9 @@ def cases(root: Path) -> dict[str, list[str]]:
 
 
 def time_check(overrides: list[str], repeats: int) -> dict[str, float]:
-    from repro.build import build_data
-    from repro.config import compose
-    from repro.data import pipeline_check
+    from repro.components.data import pipeline_check
+    from repro.defense.config import compose
+    from repro.engine.build import build_data
 
     cfg = compose(overrides, ROOT / "conf")
     seen: list[tuple] = []
@@ -75,13 +75,13 @@ def time_check(overrides: list[str], repeats: int) -> dict[str, float]:
         seen.append((args, kwargs))
         return real(*args, **kwargs)
 
-    import repro.build
+    import repro.engine.build
 
-    repro.build.check_pipelines = keep
+    repro.engine.build.check_pipelines = keep
     try:
         data = build_data(cfg)
     finally:
-        repro.build.check_pipelines = real
+        repro.engine.build.check_pipelines = real
     args, kwargs = seen[0]
     times = []
     for _ in range(repeats):
@@ -109,7 +109,7 @@ def main() -> None:
     args = p.parse_args()
     import torch
 
-    from repro.fingerprint import environment
+    from repro.records.fingerprint import environment
 
     torch.set_num_threads(1)  # as in a loader worker; the check runs in the main process
     env = environment()

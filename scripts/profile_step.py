@@ -5,7 +5,7 @@
     python scripts/profile_step.py --nproc 2 -- device=cuda model=resnet18 ...   # torchrun
     python scripts/profile_step.py --fake-world 2 -- device=cuda model=resnet18 ...  # 1 GPU
 
-Runs ``repro.loop.train`` with the given overrides (the same config train.py composes) for
+Runs ``repro.engine.loop.train`` with the given overrides (the same config train.py composes) for
 ``--wait + --warmup + --active + 1`` steps and profiles the ``--active`` steady steps (no
 evaluation, checkpoint or traced step falls inside them) on rank 0. Reports, per step: wall
 time (device synchronised at both ends of the window), time the device was busy (kernels
@@ -94,10 +94,11 @@ def profile(args: argparse.Namespace) -> None:
     import torch
     from torch.profiler import ProfilerActivity, schedule
 
-    from repro.config import compose
-    from repro.dist import launched_world, shutdown
-    from repro.loop import train
-    from repro.process_env import pin_process_environment
+    from repro.base.world import launched_world
+    from repro.defense.config import compose
+    from repro.defense.process_env import pin_process_environment
+    from repro.engine.dist import shutdown
+    from repro.engine.loop import train
 
     steps = args.wait + args.warmup + args.active + 1  # the last (traced) step is not profiled
     overrides = [
@@ -130,7 +131,7 @@ def profile(args: argparse.Namespace) -> None:
     if args.reference:  # the same config, trained by the hand-written loop
         from reference_loop import reference_run
 
-        from repro.fingerprint import environment
+        from repro.records.fingerprint import environment
 
         prof.start()
         device = "cuda" if cuda else "cpu"
@@ -141,7 +142,7 @@ def profile(args: argparse.Namespace) -> None:
         wall_ms = (marks[last] - marks[first]) * 1e3 / args.active
         report(args, prof, environment(), wall_ms, overrides, 1)
         return
-    if args.fake_world:  # joined here, so repro.dist.init finds the group and keeps it
+    if args.fake_world:  # joined here, so repro.engine.dist.init finds the group and keeps it
         join_fake_world(cfg)
     with tempfile.TemporaryDirectory() as tmp:
         if world.main:
@@ -236,7 +237,7 @@ def report(args, prof, env: dict, wall_ms: float, overrides: list[str], nproc: i
             "",
             "## The step's named ranges",
             "",
-            "Host time inside each `repro.*` range of `repro.step`/`repro.loop`, the operators "
+            "Host time inside each `repro.*` range of `repro.engine.step`/`repro.engine.loop`, the operators "
             "it ran included (`repro.wait_finite`: the host waiting for the device).",
             "",
             *table(ranges, lambda e: e.cpu_time_total, wall_ms * 1e3 * n, "ms/step", "of the step"),

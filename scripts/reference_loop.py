@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from repro.build import build_data, build_model, build_optimizer, build_schedule, build_task
-from repro.config import compose
-from repro.data import CROP_PAD, IGNORE, crop_flip_batch
-from repro.trace import state_dict_sha256
+from repro.components.data import CROP_PAD, IGNORE, crop_flip_batch
+from repro.defense.config import compose
+from repro.engine.build import build_data, build_model, build_optimizer, build_schedule, build_task
+from repro.records.trace import state_dict_sha256
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +36,7 @@ def reference_run(
     after_step: Callable[[int, torch.nn.Module], None] | None = None,
 ) -> dict:
     """Train ``steps`` steps; images/s over those after ``warmup`` (CUDA-synchronised).
-    ``after_step(step, model)``, as :func:`repro.loop.train` calls it (the profiler's)."""
+    ``after_step(step, model)``, as :func:`repro.engine.loop.train` calls it (the profiler's)."""
     cfg = compose([*overrides, "trainer.compile=off", "trainer.channels_last=false"], ROOT / "conf")
     device = torch.device(device)
     on_cuda = device.type == "cuda"

@@ -4,7 +4,7 @@ Each experiment draws two configs' per-image scores for S seeds x I images: a ba
 seed, image and seed-by-image effects (which the group shares: pairing cancels them), and a
 group that adds a true difference of 0.005 plus its own seed effect, image effect and noise
 in a given seed:image variance ratio. The paired two-level interval
-(:func:`repro.stats.two_level`) is computed; the coverage is the share of experiments whose
+(:func:`repro.tools.stats.two_level`) is computed; the coverage is the share of experiments whose
 95% interval holds 0.005. The seeds-only paired t interval's coverage is printed beside it:
 it ignores the images, so it falls short where they matter.
 
@@ -26,7 +26,7 @@ import numpy as np
 import scipy
 from _results import command_line, today
 
-from repro import stats
+from repro.tools import stats
 
 TRUTH = 0.005
 DESIGNS = [(4, 1), (1, 1), (1, 4)]  # seed : image variance of the group's own effects

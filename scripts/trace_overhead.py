@@ -21,9 +21,9 @@ from pathlib import Path
 
 from _results import command_line, environment_line, today, write_results
 
-from repro.config import compose
-from repro.loop import train
-from repro.process_env import pin_process_environment
+from repro.defense.config import compose
+from repro.defense.process_env import pin_process_environment
+from repro.engine.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from repro.compare import compare_dirs
-from repro.errors import ReproError
+from repro.base.errors import ReproError
+from repro.tools.compare import compare_dirs
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import torch
 
-from repro.data.augment import resize_image
+from repro.components.data.augment import resize_image
 
 
 class DrawsFromEverything:

@@ -195,8 +195,8 @@ def run_train(
 def preserved_global_state():
     """Put back what a run changes in this process: torch's determinism flags and thread
     count, and the global RNGs."""
-    from repro.determinism import flags_restored
-    from repro.rng import global_rng_states, set_global_rng_states
+    from repro.base.rng import global_rng_states, set_global_rng_states
+    from repro.defense.determinism import flags_restored
 
     rng = global_rng_states()
     try:
@@ -216,11 +216,11 @@ class _Records(logging.Handler):
 
 
 def train_here(run_dir: Path, *overrides: str, after_step=None, conf_dir: Path = CONF_DIR) -> Run:
-    """``repro.loop.train`` in this process, on the config ``train.py`` would compose (no
+    """``repro.engine.loop.train`` in this process, on the config ``train.py`` would compose (no
     Hydra run: no ``.hydra/`` or ``train.log``) from ``conf_dir``. Errors are raised, as the
     exception."""
-    from repro.config import compose
-    from repro.loop import train
+    from repro.defense.config import compose
+    from repro.engine.loop import train
 
     if not _loader_chosen(overrides):
         overrides = ("loader=single", *overrides)
@@ -338,8 +338,8 @@ def compose_option(group: str, option: str, conf_dir: Path = CONF_DIR) -> str:
     pyproject.toml) that is not installed, or whose import fails (said). A real config error
     raises."""
     from optional import usable
-    from repro.config import compose
-    from repro.errors import ConfigError, MissingPackage
+    from repro.base.errors import ConfigError, MissingPackage
+    from repro.defense.config import compose
 
     extra = NEEDS.get(f"{group}={option}", [])
     if group == "hparams_search" and (conf_dir / "experiment" / f"{option}.yaml").is_file():

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from repro.tasks import Classification
+from repro.components.tasks import Classification
 
 
 class TinyNet(nn.Module):

@@ -37,9 +37,9 @@ PRELOAD = [
     "torch._dynamo",
     "hydra",
     "omegaconf",
-    "repro.loop",
+    "repro.engine.loop",
     "repro.cli",
-    "repro.compare",
+    "repro.tools.compare",
 ]
 # must be what the server started with: they are read when an interpreter starts
 AT_START = ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG", "PYTHONUNBUFFERED")

@@ -6,7 +6,7 @@ features; everything else is the deterministic ConvNet."""
 import torch
 from torch import nn
 
-from repro.models import ConvNet
+from repro.components.models import ConvNet
 
 
 class Jitter(nn.Module):

@@ -4,9 +4,9 @@ notice before the first step."""
 
 import torch
 
-from repro.loggers import Logger
-from repro.models import ConvNet
-from repro.rng import derive_seed
+from repro.base.rng import derive_seed
+from repro.components.models import ConvNet
+from repro.records.loggers import Logger
 
 
 class FailsForSeed(ConvNet):

@@ -21,10 +21,10 @@ from conftest import (
     with_tests_on_path,
 )
 from optional import require
-from repro.config import check_overrides, compose
-from repro.data import CropFlip, KeyedPipeline, RandomResizedCrop, SegmentationAugment
-from repro.data.augment import CenterResize, Resize, keyed_global_state
-from repro.errors import ConfigError
+from repro.base.errors import ConfigError
+from repro.components.data import CropFlip, KeyedPipeline, RandomResizedCrop, SegmentationAugment
+from repro.components.data.augment import CenterResize, Resize, keyed_global_state
+from repro.defense.config import check_overrides, compose
 
 # a folder of 72 PNG and JPEG files of 12-24 x 14-26 pixels, read lazily at their own size;
 # 4 steps an epoch (64 of the 65 training files), so step 7 is mid-epoch 1
@@ -169,7 +169,7 @@ def test_a_pipeline_whose_images_are_not_image_size_is_one_line(folders, tmp_pat
     args = [*FOLDER, f"data.path={folders['images']}"]
     with pytest.raises(
         ConfigError,
-        match=r"augment.train: repro.data.augment.Resize gives \(20, 20\) images where data.image_size=16",
+        match=r"augment.train: repro.components.data.augment.Resize gives \(20, 20\) images where data.image_size=16",
     ):
         train_here(tmp_path / "run", *args, "augment=none", "augment.train.size=20")
     with pytest.raises(ConfigError, match=r"augment.eval: .* gives \(\d+, \d+\) images where"):
@@ -189,7 +189,7 @@ def test_the_device_loader_refuses_a_pipeline_it_cannot_run_on_the_device(folder
     args = [*FOLDER, f"data.path={folders['images']}", "loader=device"]
     with pytest.raises(
         ConfigError,
-        match=r"augment.train \(repro.data.augment.RandomResizedCrop\).* use loader=multi",
+        match=r"augment.train \(repro.components.data.augment.RandomResizedCrop\).* use loader=multi",
     ):
         train_here(tmp_path / "run", *args, "augment=imagenet")
 
@@ -236,7 +236,7 @@ class _Spy:
 def test_the_transforms_of_a_composed_pipeline_draw_different_numbers():
     """One generator a sample, shared: the second transform draws where the first stopped;
     the second's key has its place folded in (two crop-and-flips do not crop alike)."""
-    from repro.data.augment import Compose
+    from repro.components.data.augment import Compose
 
     first, second = _Spy(), _Spy()
     pipeline = KeyedPipeline(Compose([first, second]), seed=2)

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from conftest import SHORT, SMALL_DATA, repro, train_here
-from repro.checkpoint import checkpoint_path
-from repro.compare import compare_dirs
-from repro.fingerprint import ISA_FLAG, git_state
-from repro.trace import BackgroundDigests, state_digests
+from repro.records.checkpoint import checkpoint_path
+from repro.records.fingerprint import ISA_FLAG, git_state
+from repro.records.trace import BackgroundDigests, state_digests
+from repro.tools.compare import compare_dirs
 
 
 def bits(x: float) -> bytes:

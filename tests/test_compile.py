@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conftest import SMALL_DATA, train_here
-from repro.compare import compare_dirs
-from repro.errors import CheckpointError, ConfigError
+from repro.base.errors import CheckpointError, ConfigError
+from repro.tools.compare import compare_dirs
 
 
 class TinyNet(torch.nn.Module):
@@ -102,8 +102,8 @@ def test_channels_last_repeats_with_any_loader_and_is_recorded(tmp_path):
         train_here(tmp_path / "auto", *TINY, f"trainer.resume={single.dir}")
     # evaluating it needs no flag: auto takes the format the run recorded (a GPU run's
     # checkpoint evaluated on a CPU), and gives the run's own final evaluation
-    from repro.config import compose
-    from repro.inference import evaluate_checkpoint
+    from repro.defense.config import compose
+    from repro.engine.inference import evaluate_checkpoint
 
     cfg = compose([*TINY, "loader=single"])
     got = evaluate_checkpoint(cfg, single.dir / "checkpoint.pt", torch.device("cpu"), "val")
@@ -114,7 +114,7 @@ def test_channels_last_repeats_with_any_loader_and_is_recorded(tmp_path):
 def test_channels_last_auto_is_recorded_as_the_format_it_chose(eager):
     """auto on a CPU builds a contiguous model, and the run records false, not auto: its
     config (and hash) is that of trainer.channels_last=false, which gives the same bits."""
-    from repro.config import compose, config_hash
+    from repro.defense.config import compose, config_hash
 
     assert compose(TINY).trainer.channels_last == "auto"  # the default
     assert eager.env["config"]["trainer"]["channels_last"] is False
@@ -127,7 +127,7 @@ def test_channels_last_auto_is_recorded_as_the_format_it_chose(eager):
 
 
 def test_channels_last_auto_is_on_for_cuda_runs_of_models_with_2d_convolutions():
-    from repro.build import memory_format_row, uses_channels_last
+    from repro.engine.build import memory_format_row, uses_channels_last
 
     conv, mlp = TinyNet(num_classes=3), torch.nn.Sequential(torch.nn.Linear(4, 3))
     cuda, cpu = torch.device("cuda"), torch.device("cpu")  # the device object: no GPU needed
@@ -157,9 +157,9 @@ def test_compile_modes_that_record_cuda_graphs_are_refused_in_one_line(mode, tmp
 
 
 def test_compiling_keeps_the_state_dict_keys():
-    from repro.build import build_model
-    from repro.config import compose
-    from repro.data import synthetic
+    from repro.components.data import synthetic
+    from repro.defense.config import compose
+    from repro.engine.build import build_model
 
     cfg = compose([*TINY, "trainer.compile=default"])
     model = build_model(cfg, synthetic(train_size=64, val_size=16), torch.device("cpu"))

@@ -11,11 +11,11 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
 import launch
-import repro.config  # noqa: F401  (registers the schema)
+import repro.defense.config  # noqa: F401  (registers the schema)
 from conftest import CONF_DIR, compose_every_option, compose_option, run_train, train_cmd, user_env
-from repro.config import check_overrides, config_hash, validate
-from repro.config import compose as repro_compose
-from repro.errors import ConfigError, MissingPackage
+from repro.base.errors import ConfigError, MissingPackage
+from repro.defense.config import check_overrides, config_hash, validate
+from repro.defense.config import compose as repro_compose
 
 
 def cfg(*overrides):
@@ -71,8 +71,8 @@ def test_a_forks_options_compose_and_one_needing_a_missing_package_is_skipped(
     installed is skipped in one line; a misspelt module, or a key the target does not take,
     still fails."""
 
-    declared = {**repro.config.optional_packages(), "zoo_pkg": ("zoo-pkg", "zoo")}
-    monkeypatch.setattr(repro.config, "optional_packages", lambda: declared)
+    declared = {**repro.defense.config.optional_packages(), "zoo_pkg": ("zoo-pkg", "zoo")}
+    monkeypatch.setattr(repro.defense.config, "optional_packages", lambda: declared)
     conf = shutil.copytree(CONF_DIR, tmp_path / "conf")
     (conf / "model" / "tiny.yaml").write_text("_target_: forked_project.TinyNet\nwidth: 4\n")
     (conf / "model" / "zoo.yaml").write_text("_target_: zoo_pkg.create_model\n")
@@ -121,8 +121,8 @@ def test_an_installed_package_that_raises_on_import_is_named_with_its_own_messag
     assert "check the dotted path" not in message and not isinstance(err.value, MissingPackage)
     with pytest.raises(ConfigError, match="halfzoo is installed but importing halfzoo.models"):
         repro_compose(["model._target_=halfzoo.models.Net"])
-    declared = {**repro.config.optional_packages(), "brokenzoo": ("brokenzoo", "zoo")}
-    monkeypatch.setattr(repro.config, "optional_packages", lambda: declared)
+    declared = {**repro.defense.config.optional_packages(), "brokenzoo": ("brokenzoo", "zoo")}
+    monkeypatch.setattr(repro.defense.config, "optional_packages", lambda: declared)
     with pytest.raises(MissingPackage, match=r"\(make add PKG=brokenzoo checks it imports\)"):
         repro_compose(["model._target_=brokenzoo.Net"])
     with pytest.raises(MissingPackage, match=r"must match torch's \(make add PKG=torchvision"):
@@ -168,7 +168,10 @@ def test_type_errors_fail_at_composition(override):
         ),
         (["device=tpu"], "device"),
         (["+foo=1"], "foo is not a key of this config"),
-        (["data=image_folder", "data.path=/etc/hostname"], "is a file; repro.data.image_folder"),
+        (
+            ["data=image_folder", "data.path=/etc/hostname"],
+            "is a file; repro.data.image_folder",
+        ),
         (["data=image_folder"], "data.path"),
         (["model._target_=no.such.Model"], "model._target_"),
         (["+model.bogus=3"], "model.bogus is not an argument of repro.models.ConvNet"),

@@ -9,9 +9,9 @@ import torch
 
 from conftest import CONF_DIR, SHORT, cuda
 from optional import require
-from repro.compare import compare_dirs
-from repro.config import compose
-from repro.doctor import run_doctor
+from repro.defense.config import compose
+from repro.engine.doctor import run_doctor
+from repro.tools.compare import compare_dirs
 
 pytestmark = [pytest.mark.cuda, cuda]
 
@@ -165,11 +165,11 @@ def _overlapped_on_one_gpu(rank: int, path: str, results: str) -> None:
     sums while the backward pass goes on) and 3 through the plain tree."""
     import torch.distributed as tdist
 
-    from repro.build import build_data, build_training
-    from repro.determinism import apply_determinism
-    from repro.dist import World
-    from repro.reduction import Reducer
-    from repro.step import train_step
+    from repro.base.world import World
+    from repro.defense.determinism import apply_determinism
+    from repro.engine.build import build_data, build_training
+    from repro.engine.reduction import Reducer
+    from repro.engine.step import train_step
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)

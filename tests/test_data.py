@@ -13,7 +13,8 @@ import torch
 
 from conftest import mixed_image_folder, run_train, train_here
 from optional import require
-from repro.data import (
+from repro.base.errors import ConfigError, DataError
+from repro.components.data import (
     CropFlip,
     DataSplits,
     DeviceBatches,
@@ -27,8 +28,7 @@ from repro.data import (
     make_train_loader,
     synthetic,
 )
-from repro.errors import ConfigError, DataError
-from repro.trace import tensors_sha256
+from repro.records.trace import tensors_sha256
 
 
 def small(**kw):
@@ -230,7 +230,7 @@ def test_cifar10_reads_the_batches_folder_without_torchvision_or_running_code(tm
 def test_cifar10_downloads_checks_the_md5_and_extracts(tmp_path, monkeypatch):
     """The archive made here and served by a file:// URL: a wrong MD5 is refused and the
     file deleted; the right one is extracted and read."""
-    import repro.data
+    import repro.components.data
 
     _cifar_folder(tmp_path / "src")
     archive = tmp_path / "cifar-10-python.tar.gz"
@@ -240,7 +240,7 @@ def test_cifar10_downloads_checks_the_md5_and_extracts(tmp_path, monkeypatch):
         cifar10(root=str(tmp_path / "a"), url=archive.as_uri())
     assert not (tmp_path / "a" / archive.name).exists()
     monkeypatch.setattr(
-        repro.data.cifar, "CIFAR10_MD5", hashlib.md5(archive.read_bytes()).hexdigest()
+        repro.components.data.cifar, "CIFAR10_MD5", hashlib.md5(archive.read_bytes()).hexdigest()
     )
     d = cifar10(root=str(tmp_path / "b"), url=archive.as_uri())
     assert len(d.train) == 100 and not (tmp_path / "b" / archive.name).exists()
@@ -255,7 +255,7 @@ def test_tensor_images_checks_its_input():
 
 
 def test_the_batched_crop_and_flip_is_the_naive_one_image_by_image():
-    from repro.data import CROP_PAD, crop_flip_batch, keyed_crop_flip_params
+    from repro.components.data import CROP_PAD, crop_flip_batch, keyed_crop_flip_params
 
     g = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (40, 3, 12, 10), dtype=torch.uint8, generator=g)
@@ -276,8 +276,8 @@ def test_keyed_draws_are_uniform_and_a_pure_function_of_the_key():
     """The counter-based draws: the same values for a key in any batch (here: alone, and in
     a batch of other epochs), other values for another seed or purpose, and crop offsets
     and flips that are uniform (chi-square over 90,000 samples)."""
-    from repro.data import keyed_crop_flip_params
-    from repro.rng import keyed_draws
+    from repro.base.rng import keyed_draws
+    from repro.components.data import keyed_crop_flip_params
 
     epochs, index = torch.arange(300).repeat_interleave(300), torch.arange(300).repeat(300)
     draws = keyed_draws(5, "augment", epochs, index, draws=3)
@@ -344,7 +344,7 @@ def test_an_image_too_large_to_decode_names_its_file(tmp_path, monkeypatch):
     require("PIL")
     from PIL import Image
 
-    from repro.data import read_image
+    from repro.components.data import read_image
 
     Image.new("RGB", (64, 64)).save(tmp_path / "huge.png")
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # 64×64 is then > 2× the limit
@@ -356,7 +356,7 @@ def test_a_lazy_split_reads_files_when_fetched_and_stops_or_skips_a_bad_one(tmp_
     """stop: one line naming the file; skip: the next readable file (and its label) takes
     its place, the same one whoever reads it, named once in a warning."""
     require("PIL")
-    from repro.data import LazyImages, read_image
+    from repro.components.data import LazyImages, read_image
 
     root = mixed_image_folder(tmp_path / "images", corrupt=("03.png",))
     files = sorted(root.glob("ant/0[2-4].*"))  # 02.jpg, 03.png (bad), 04.jpg
@@ -368,13 +368,13 @@ def test_a_lazy_split_reads_files_when_fetched_and_stops_or_skips_a_bad_one(tmp_
     assert got.tolist() == [2, 0, 2]  # 04.jpg's label came with its image
     assert torch.equal(images[0], read_image(files[2])) and torch.equal(images[0], images[2])
     assert torch.equal(split.read_all().images[1], images[0])
-    import repro.data
+    import repro.components.data
 
     def disk_fails(path, size=None):
         raise DataError(f"data: cannot read image {path}") from OSError(errno.EIO, "I/O error")
 
     with pytest.MonkeyPatch.context() as patch:  # the disk, not the file: never skipped
-        patch.setattr(repro.data.folders, "read_image", disk_fails)
+        patch.setattr(repro.components.data.folders, "read_image", disk_fails)
         with pytest.raises(DataError, match="cannot read image"):
             split.fetch(torch.tensor([0]))
     with pytest.raises(DataError, match="data.on_bad_image='ignore' is invalid"):
@@ -449,7 +449,7 @@ def test_a_skipped_image_is_logged_into_the_run_directory_only_once_it_is_the_ru
     directory that is then refused, nor make a new run's directory look taken."""
     import logging
 
-    from repro.errors import ConfigError
+    from repro.base.errors import ConfigError
 
     args, _ = mixed
     root = logging.getLogger()
@@ -507,7 +507,7 @@ def test_an_image_above_pillows_pixel_limit_is_one_warning_naming_it(tmp_path, m
     require("PIL")
     from PIL import Image
 
-    from repro.data import read_image
+    from repro.components.data import read_image
 
     Image.new("RGB", (12, 12), (9, 9, 9)).save(tmp_path / "big.png")
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # 144 pixels: warned, not refused
@@ -526,8 +526,8 @@ def test_an_exif_orientation_is_named_once_and_the_pixels_are_read_as_stored(
     """A phone's JPEG says "rotate 90° clockwise" in its EXIF: the pixels are read as stored
     (the grid a mask of it was saved on), and the first such file is named in one warning."""
     Image = require("PIL.Image")
-    import repro.data.folders as folders
-    from repro.data import read_image
+    import repro.components.data.folders as folders
+    from repro.components.data import read_image
 
     monkeypatch.setattr(folders, "_warned_oriented", [])
     stored = np.zeros((4, 6, 3), np.uint8)
@@ -551,11 +551,11 @@ SMALL_RUN = ["data.train_size=256", "data.val_size=64"]
 
 
 def chosen(monkeypatch, *overrides, device="cuda", free_gib=100.0, cores=16, local=1):
-    """repro.build.choose_loader for the composed config, on ``device`` with ``free_gib`` of
+    """repro.engine.build.choose_loader for the composed config, on ``device`` with ``free_gib`` of
     free GPU memory, ``cores`` CPU cores and ``local`` processes on this host (no GPU
     needed: what CUDA would answer is given)."""
-    from repro.build import build_data, choose_loader
-    from repro.config import compose
+    from repro.defense.config import compose
+    from repro.engine.build import build_data, choose_loader
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (free_gib * 2**30, 141 * 2**30))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
@@ -567,7 +567,7 @@ def chosen(monkeypatch, *overrides, device="cuda", free_gib=100.0, cores=16, loc
 def test_loader_auto_keeps_the_multi_loader_on_a_cpu(monkeypatch):
     from omegaconf import OmegaConf
 
-    from repro.config import compose
+    from repro.defense.config import compose
 
     choice = chosen(monkeypatch, *SMALL_RUN, device="cpu")
     assert choice.name == "multi" and choice.why == "auto: multi on cpu (2 workers)"

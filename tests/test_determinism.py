@@ -16,7 +16,9 @@ ONE = ["trainer.max_steps=1", "trainer.eval_every=1", *SMALL_DATA, "model.width=
 
 
 def _hash_seed_in_effect(env_value, set_later=False):
-    code = "from repro.process_env import hash_seed_in_effect; print(hash_seed_in_effect('0'))"
+    code = (
+        "from repro.defense.process_env import hash_seed_in_effect; print(hash_seed_in_effect('0'))"
+    )
     if set_later:  # what the seed tutorials do: assign it inside the running process
         code = "import os; os.environ['PYTHONHASHSEED'] = '0'; " + code
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
@@ -124,7 +126,7 @@ def test_a_busy_machine_is_one_warning_before_the_run_and_an_idle_one_none(monke
     count, the last minute's load is above them) says so, with the fix; one run on an idle
     machine says nothing, nor one right after work that has ended (the average still counts
     it, nothing runs now), nor rank 1 of a launch."""
-    from repro import determinism
+    from repro.defense import determinism
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     cases = [  # (1-minute load, other threads running now, warned?) on 2 cores

@@ -21,11 +21,10 @@ from torch import nn
 
 import launch
 from conftest import Run, run_train, train_cmd, train_here, user_env, with_tests_on_path
-from repro.compare import compare_dirs
-from repro.config import compose
-from repro.dist import World, launched_world
-from repro.errors import ConfigError, ReproError
-from repro.reduction import (
+from repro.base.errors import ConfigError, ReproError
+from repro.base.world import World, launched_world
+from repro.defense.config import compose
+from repro.engine.reduction import (
     add_partials,
     canonical_nodes,
     check_split,
@@ -34,7 +33,8 @@ from repro.reduction import (
     share,
     tree_reduce,
 )
-from repro.running_stats import RunningStats
+from repro.engine.running_stats import RunningStats
+from repro.tools.compare import compare_dirs
 
 # 4 micro-batches of 16 a step: 4, 2 or 1 of them on each rank
 SMALL = [
@@ -168,7 +168,7 @@ def test_a_rank_that_hangs_stops_the_group_after_the_timeout_with_one_line_namin
 def test_a_collective_timeout_is_explained_and_other_timeouts_are_not(monkeypatch):
     """gloo's two ways of saying it (both met in the hang test) become the one-line verdict
     (here without a store to read: it says so); a download's timeout and a lost peer do not."""
-    from repro.dist import explain_timeout
+    from repro.engine.dist import explain_timeout
 
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     world = World(0, 2)
@@ -505,7 +505,7 @@ def _reduce_in_three_processes(rank: int, path: str, results: str) -> None:
     rank 0 saves the results, with which buckets were launched during the backward pass."""
     import torch.distributed as tdist
 
-    from repro.reduction import Reducer
+    from repro.engine.reduction import Reducer
 
     tdist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=3)
     out = {}
@@ -736,7 +736,7 @@ def test_running_stats_leave_the_buffers_alone_during_the_forward():
 
 
 def test_resume_compares_the_reduction_and_accepts_checkpoints_from_before_it():
-    from repro.checkpoint import mismatches
+    from repro.records.checkpoint import mismatches
 
     before = {"config": {"seed": 0, "determinism": {"mode": "strict"}}, "device": "cpu"}
     now = {
@@ -755,7 +755,7 @@ def test_resume_compares_the_reduction_and_accepts_checkpoints_from_before_it():
 
 def test_resume_ignores_the_nan_fill_but_not_the_rest_of_determinism():
     """Checkpoints from before strict turned the NaN fill off still resume without a flag."""
-    from repro.checkpoint import mismatches
+    from repro.records.checkpoint import mismatches
 
     def config(fill: bool, deterministic: bool = True) -> dict:
         return {
@@ -777,23 +777,25 @@ def test_the_ranks_compare_each_digest_at_the_next_digest_step_or_checkpoint(mon
     digest step's digest at the next digest step, or before the next checkpoint; a digest
     step that is a checkpoint step, and the last step, are compared at once. Each
     comparison names the step whose weights it hashed, and hashes those weights."""
-    import repro.trace
+    import repro.records.trace
 
     compared: list[tuple[str, int]] = []
     monkeypatch.setattr(
-        repro.trace, "check_same", lambda digest, world, what, step: compared.append((digest, step))
+        repro.records.trace,
+        "check_same",
+        lambda digest, world, what, step: compared.append((digest, step)),
     )
 
     def run(checkpoint_every: int) -> tuple[dict[int, list[int]], dict[int, str], dict]:
         compared.clear()
         model = nn.Linear(3, 2)
-        tracer = repro.trace.StepTracer(True, 2, 7, World(0, 2), checkpoint_every)
+        tracer = repro.records.trace.StepTracer(True, 2, 7, World(0, 2), checkpoint_every)
         seen, expected = {}, {}
         try:
             for done in range(1, 8):
                 with torch.no_grad():
                     model.weight.add_(1.0)  # the step's update
-                expected[done] = repro.trace.state_dict_sha256(model.state_dict())
+                expected[done] = repro.records.trace.state_dict_sha256(model.state_dict())
                 record = tracer.state(done, model)
                 seen[done] = [s for _, s in compared]
         finally:
@@ -811,9 +813,9 @@ def test_the_ranks_compare_each_digest_at_the_next_digest_step_or_checkpoint(mon
 def test_a_peer_lost_while_a_collective_is_in_flight_is_told_apart():
     """A rank whose collective fails because a peer died records its error later, so that
     torchrun names the peer's error as the root cause: a failure in a torch.distributed
-    call, or in repro.dist.wait (an asynchronous collective's end), counts; others not."""
-    from repro.dist import wait
-    from repro.errors import inside_a_collective
+    call, or in repro.base.world.wait (an asynchronous collective's end), counts; others not."""
+    from repro.base.errors import inside_a_collective
+    from repro.base.world import wait
 
     class LostPeer:
         def wait(self):

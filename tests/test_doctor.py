@@ -6,8 +6,8 @@ import pytest
 
 import launch
 from conftest import CONF_DIR, ROOT, user_env
-from repro.config import compose
-from repro.doctor import run_doctor
+from repro.defense.config import compose
+from repro.engine.doctor import run_doctor
 
 SMALL = ["data.train_size=256", "data.val_size=64", "device=cpu"]
 

@@ -12,10 +12,10 @@ import torch
 
 from conftest import CONF_DIR, ROOT, SMALL_DATA, train_here
 from optional import require
-from repro.build import accepted
-from repro.config import compose
-from repro.errors import ConfigError
-from repro.tasks import Classification, Task
+from repro.base.errors import ConfigError
+from repro.components.tasks import Classification, Task
+from repro.defense.config import compose
+from repro.engine.build import accepted
 
 STEPS = ["trainer.max_steps=8", "trainer.eval_every=4", *SMALL_DATA]
 # the default model's keys (width, dropout) go with it: ~model starts the model from none
@@ -153,7 +153,7 @@ def test_a_torchvision_model_plugs_in_with_one_line(tmp_path):
 
 
 def test_what_is_not_a_task_is_refused_in_one_line(tmp_path):
-    with pytest.raises(ConfigError, match="is not a task .*subclass repro.tasks.Task"):
+    with pytest.raises(ConfigError, match="is not a task .*subclass repro.components.tasks.Task"):
         train_here(tmp_path / "x", *STEPS, "task._target_=forked_project.zoo_model")
 
 
@@ -199,8 +199,8 @@ def test_the_task_interface_is_what_the_docs_say():
 
 
 def test_a_task_with_another_headline_leads_the_summary_compare_and_report(tmp_path):
-    from repro.compare import compare_dirs
-    from repro.report import build_report, format_markdown
+    from repro.tools.compare import compare_dirs
+    from repro.tools.report import build_report, format_markdown
 
     task = "task._target_=forked_project.LossHeadline"
     runs = [train_here(tmp_path / f"{s}_seed={s}", *STEPS, task, f"seed={s}") for s in (0, 1)]

@@ -14,10 +14,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import repro.data.augment as augment
+import repro.components.data.augment as augment
 from optional import require
-from repro.data import IGNORE, CropFlip, KeyedPipeline, RandomResizedCrop, SegmentationAugment
-from repro.data.augment import CenterResize, Resize, _resized, resize_mask, source_pixels
+from repro.components.data import (
+    IGNORE,
+    CropFlip,
+    KeyedPipeline,
+    RandomResizedCrop,
+    SegmentationAugment,
+)
+from repro.components.data.augment import CenterResize, Resize, _resized, resize_mask, source_pixels
 
 MEAN_BOUND = 0.02  # output pixels: the mean signed offset, each axis
 MAX_BOUND = 0.35  # output pixels: any one disc, each axis
@@ -328,7 +334,7 @@ def library_preset(preset: str, size: int = 64):
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    from repro.config import compose
+    from repro.defense.config import compose
 
     cfg = compose(["experiment=segmentation", f"augment={preset}", f"data.image_size={size}"])
     node = OmegaConf.to_container(cfg.augment.train, resolve=True)

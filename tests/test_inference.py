@@ -19,11 +19,11 @@ from conftest import (
     user_env,
 )
 from optional import require
-from repro.config import compose
-from repro.data import synthetic, synthetic_shapes
-from repro.determinism import apply_determinism
-from repro.errors import ConfigError
-from repro.inference import choose_checkpoint, evaluate_checkpoint, predict
+from repro.base.errors import ConfigError
+from repro.components.data import synthetic, synthetic_shapes
+from repro.defense.config import compose
+from repro.defense.determinism import apply_determinism
+from repro.engine.inference import choose_checkpoint, evaluate_checkpoint, predict
 
 TESTED = [
     "trainer.max_steps=8",

@@ -1,6 +1,6 @@
 """Intensity, bit depth and channels: images read at their depth (16-bit PNG, TIFF, .npy,
 any number of channels), mapped by data.intensity when read, and float32 through the
-shipped transforms, the loader and a training run (repro.data.intensity, repro.data.folders)."""
+shipped transforms, the loader and a training run (repro.components.data.intensity, repro.components.data.folders)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch
 
 from conftest import train_here
 from optional import require
-from repro.data import (
+from repro.base.errors import ConfigError, DataError
+from repro.components.data import (
     CenterResize,
     CropFlip,
     Intensity,
@@ -26,8 +27,7 @@ from repro.data import (
     read_image,
     read_mask,
 )
-from repro.data.splits import stack_images
-from repro.errors import ConfigError, DataError
+from repro.components.data.splits import stack_images
 
 Image = require("PIL.Image")
 tifffile = require("tifffile")

@@ -11,9 +11,9 @@ import pytest
 
 from conftest import CONF_DIR, SMALL_DATA, train_here
 from optional import usable
-from repro.config import check_overrides, compose
-from repro.errors import ConfigError
-from repro.loggers import Logger
+from repro.base.errors import ConfigError
+from repro.defense.config import LOGGER_BASE, check_overrides, compose
+from repro.records.loggers import Logger
 
 LOGGED = [
     "trainer.max_steps=8",
@@ -196,8 +196,10 @@ def test_a_loggers_bad_value_is_named_before_the_run(monkeypatch):
     )
     with pytest.raises(ConfigError, match="logger.wandb.mode='onlin' is invalid"):
         compose(["logger=wandb", "logger.wandb.mode=onlin"])
-    with pytest.raises(ConfigError, match="is not a subclass of repro.loggers.Logger"):
+    with pytest.raises(ConfigError, match="is not a subclass of repro.records.loggers.Logger"):
         compose(["+logger.mine._target_=repro.loggers.remember"])
+    # the config layer names the base class instead of importing it (it sits below the records)
+    assert LOGGER_BASE == f"{Logger.__module__}.{Logger.__qualname__}"
 
 
 def test_a_run_killed_before_its_first_checkpoint_continues_its_mlflow_run(tmp_path):
@@ -236,8 +238,8 @@ def test_a_resume_over_a_damaged_trace_names_the_file_and_rebuilds_nothing_from_
     is not a record (a loss no float holds, nesting too deep to parse, a loss that is text)
     nothing is, and a warning names the file, the line and the step before it; the trace is
     kept up to that step; a loggers.json so damaged is as none."""
-    from repro.loggers import CsvLogger, RunInfo, remember, remembered
-    from repro.logs import keep_trace_prefix
+    from repro.records.loggers import CsvLogger, RunInfo, remember, remembered
+    from repro.records.logs import keep_trace_prefix
 
     row = {"epoch": 0, "grad_norm": 1.0, "lr": 0.1}
     good = [json.dumps({"step": s, "loss": 0.5, **row}) for s in range(5)]

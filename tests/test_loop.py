@@ -4,16 +4,16 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from repro.build import Precision, Training, build_model
-from repro.data import synthetic
-from repro.ema import WeightAverage
-from repro.errors import CheckpointError
-from repro.models import ConvNet
-from repro.reduction import tree_reduce
-from repro.running_stats import RunningStats
-from repro.schedules import warmup_cosine
-from repro.step import train_step
-from repro.tasks import Classification
+from repro.base.errors import CheckpointError
+from repro.components.data import synthetic
+from repro.components.models import ConvNet
+from repro.components.schedules import warmup_cosine
+from repro.components.tasks import Classification
+from repro.engine.build import Precision, Training, build_model
+from repro.engine.ema import WeightAverage
+from repro.engine.reduction import tree_reduce
+from repro.engine.running_stats import RunningStats
+from repro.engine.step import train_step
 
 
 def shape(k: int) -> str:

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from conftest import Run, cuda, train_here
-from repro.config import compose
-from repro.data.synthetic import write_nuclei_folder
-from repro.errors import ConfigError, DataError
-from repro.inference import choose_checkpoint, evaluate_folder, predict
-from repro.sliding_window import Window, gaussian_weights, predict_logits, tile_starts
+from repro.base.errors import ConfigError, DataError
+from repro.components.data.synthetic import write_nuclei_folder
+from repro.defense.config import compose
+from repro.engine.inference import choose_checkpoint, evaluate_folder, predict
+from repro.engine.sliding_window import Window, gaussian_weights, predict_logits, tile_starts
 
 
 def test_tiles_cover_each_axis_evenly_from_edge_to_edge():
@@ -250,8 +250,8 @@ def test_native_segmentation_on_cuda_repeats_with_any_loader(nuclei, tmp_path):
 def test_a_folder_lists_one_image_and_one_mask_a_stem(tmp_path):
     from PIL import Image
 
-    from repro.data.folders import image_mask_pairs
-    from repro.errors import DataError
+    from repro.base.errors import DataError
+    from repro.components.data.folders import image_mask_pairs
 
     write_nuclei_folder(tmp_path / "one", count=1, seed=2, sizes=(40, 50))
     assert image_mask_pairs(tmp_path / "one", "--folder", least=1)[0] == ["cell_000"]
@@ -263,7 +263,7 @@ def test_a_folder_lists_one_image_and_one_mask_a_stem(tmp_path):
 
 
 def test_native_inference_on_class_labels_is_one_line():
-    from repro.build import build_data
+    from repro.engine.build import build_data
 
     cfg = compose(["inference.mode=native", "data.train_size=64", "data.val_size=8"])
     with pytest.raises(ConfigError, match="inference.mode=native .* class labels"):

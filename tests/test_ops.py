@@ -1,4 +1,4 @@
-"""repro.ops against PyTorch's ops: the values (to a tolerance: the backward's summation order
+"""repro.components.ops against PyTorch's ops: the values (to a tolerance: the backward's summation order
 differs), the bits (twice identical), and, on CUDA, strict mode (PyTorch's ops raise or
 sort; these run). The CPU tests run everywhere; the `cuda` ones on the GPU machine."""
 
@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import cuda
-from repro.determinism import flags_restored
-from repro.ops import Upsample2x, dense_cross_entropy, replacement_for, upsample2x
+from repro.components.ops import Upsample2x, dense_cross_entropy, replacement_for, upsample2x
+from repro.defense.determinism import flags_restored
 
 SHAPES = [(2, 3, 5, 7), (1, 1, 1, 1), (1, 2, 1, 6), (2, 4, 16, 16)]
 

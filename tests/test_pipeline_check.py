@@ -1,11 +1,11 @@
-"""The augmentation self-check (repro.data.pipeline_check): every way a user's transform can
+"""The augmentation self-check (repro.components.data.pipeline_check): every way a user's transform can
 make its output depend on something other than the sample and its key -- a private
 generator behind a keyed coin, one used only for some classes, a write into its input, a
 call counter, the clock, the eval pipeline -- refused before anything is written, in one
 line naming the transform; a transform that raises, or returns other channels, likewise; a
 transform's error in a loader worker keeps its message and the sample.
 
-Built through ``repro.build.build_data`` (the same call train.py makes), on a folder of 72
+Built through ``repro.engine.build.build_data`` (the same call train.py makes), on a folder of 72
 images of mixed sizes in 3 classes: no training, except the one worker test."""
 
 import time
@@ -15,11 +15,11 @@ import torch
 
 from conftest import CONF_DIR, mixed_image_folder, train_here
 from optional import require
-from repro.build import build_data
-from repro.config import compose
-from repro.data.loading import KeyedBatches
-from repro.determinism import NOT_COVERED
-from repro.errors import DataError, ReproError
+from repro.base.errors import DataError, ReproError
+from repro.components.data.loading import KeyedBatches
+from repro.defense.config import compose
+from repro.defense.determinism import NOT_COVERED
+from repro.engine.build import build_data
 
 FOLDER = [
     "data=image_folder",
@@ -152,7 +152,7 @@ def test_albumentations_compose_given_directly_says_to_wrap_it(folder, monkeypat
         "~augment.train.size",
         "~augment.train.pad",
     )
-    assert "repro.data.augment.albumentations" in message and "wrap" in message
+    assert "repro.components.data.augment.albumentations" in message and "wrap" in message
 
 
 def test_the_shipped_pipelines_pass_quickly_and_the_report_names_what_is_not_proven(folder):

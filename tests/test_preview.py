@@ -9,17 +9,17 @@ import torch
 
 from conftest import CONF_DIR
 from optional import require
-from repro.build import build_data, build_loader
 from repro.cli import main
-from repro.config import compose
-from repro.data import (
+from repro.components.data import (
     Compose,
     DataSplits,
     KeyedPipeline,
     SegmentationAugment,
     TensorImages,
 )
-from repro.preview import CELL, GAP, preview_splits, rgb8, run_preview, write_preview
+from repro.defense.config import compose
+from repro.engine.build import build_data, build_loader
+from repro.tools.preview import CELL, GAP, preview_splits, rgb8, run_preview, write_preview
 
 Image = require("PIL.Image", "pip install -e .[images]")  # decodes what the zlib writer wrote
 

@@ -2,7 +2,7 @@
 
 import io
 
-from repro.progress import Progress
+from repro.base.progress import Progress
 
 
 class FakeTTY(io.StringIO):

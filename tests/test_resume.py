@@ -32,16 +32,16 @@ from conftest import (
     user_env,
     with_tests_on_path,
 )
-from repro.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint, sidecar
-from repro.compare import compare_dirs
-from repro.errors import (
+from repro.base.errors import (
     INTERRUPTED_EXIT_CODE,
     PREEMPTED_EXIT_CODE,
     CheckpointError,
     ConfigError,
 )
-from repro.tasks import Classification
-from repro.trace import state_dict_sha256
+from repro.components.tasks import Classification
+from repro.records.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint, sidecar
+from repro.records.trace import state_dict_sha256
+from repro.tools.compare import compare_dirs
 
 STEPS = 40
 # strict (the default), 2 loader workers, dropout on (the ConvNet's default 0.1, at width 16)
@@ -269,18 +269,18 @@ def test_a_full_or_read_only_disk_is_one_line_and_the_run_resumes_exactly(
     """The step-20 checkpoint's write fails (a patched writer: the CI machine's root can
     write anywhere): one line naming the file, the free space, the last good checkpoint
     and the resume command; the resume from step 10 gives the uninterrupted bits."""
-    import repro.checkpoint
+    import repro.records.checkpoint
 
     overrides = SCENARIOS["mid-epoch"]
     run_dir = tmp_path / "run"
-    real = repro.checkpoint.save_checkpoint
+    real = repro.records.checkpoint.save_checkpoint
 
     def failing(path, state):
         if state["step"] == 20 and Path(path).parent.name == "checkpoints":
             raise OSError(code, os.strerror(code), str(path))
         return real(path, state)
 
-    monkeypatch.setattr(repro.checkpoint, "save_checkpoint", failing)
+    monkeypatch.setattr(repro.records.checkpoint, "save_checkpoint", failing)
     with pytest.raises(CheckpointError) as err:
         train_here(run_dir, *overrides)
     message = str(err.value)
@@ -288,7 +288,7 @@ def test_a_full_or_read_only_disk_is_one_line_and_the_run_resumes_exactly(
     assert os.strerror(code) in message and "MiB free there" in message
     assert "last good checkpoint is" in message and "step-00000010.pt" in message
     assert f"trainer.resume=auto hydra.run.dir={run_dir}" in message
-    monkeypatch.setattr(repro.checkpoint, "save_checkpoint", real)
+    monkeypatch.setattr(repro.records.checkpoint, "save_checkpoint", real)
     assert_same_as(resume(run_dir, overrides), straight("mid-epoch"))
 
 
@@ -298,7 +298,9 @@ def test_a_run_directory_without_room_for_two_checkpoints_is_refused_before_trai
     import shutil as shutil_module
 
     usage = shutil_module.disk_usage(tmp_path)
-    monkeypatch.setattr("repro.rundir.shutil.disk_usage", lambda p: usage._replace(free=64 * 1024))
+    monkeypatch.setattr(
+        "repro.records.rundir.shutil.disk_usage", lambda p: usage._replace(free=64 * 1024)
+    )
     with pytest.raises(CheckpointError, match=r"0.1 MiB free, and two checkpoints of this model"):
         train_here(tmp_path / "run", *SCENARIOS["mid-epoch"])
     assert not (tmp_path / "run" / "checkpoints").exists()
@@ -515,7 +517,7 @@ def test_resuming_a_finished_run_changes_nothing(straight):
 
 
 def test_rotation_keeps_the_newest_and_the_last_good_checkpoint(tmp_path):
-    from repro.checkpoint import list_checkpoints, mark_good, rotate
+    from repro.records.checkpoint import list_checkpoints, mark_good, rotate
 
     for step in (10, 20, 30, 40):
         save_checkpoint(checkpoint_path(tmp_path, step), {"model": {}, "step": step})
@@ -603,8 +605,8 @@ def test_a_preemption_signal_before_the_first_step_exits_75_with_a_line(phase, t
 
 
 def test_a_write_that_finds_the_disk_full_names_the_file(tmp_path):
-    from repro.checkpoint import atomic_write
-    from repro.rundir import disk_error
+    from repro.records.checkpoint import atomic_write
+    from repro.records.rundir import disk_error
 
     def full(f):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as f.write raises it

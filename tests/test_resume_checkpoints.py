@@ -31,13 +31,13 @@ from conftest import (
     train_here,
     user_env,
 )
-from repro.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint, sidecar
-from repro.errors import (
+from repro.base.errors import (
     CheckpointError,
     ConfigError,
     Preempted,
 )
-from repro.trace import state_dict_sha256
+from repro.records.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint, sidecar
+from repro.records.trace import state_dict_sha256
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def test_a_damaged_checkpoint_is_detected_and_resume_falls_back(
 def test_a_checkpoint_without_its_checksum_file_is_verified_by_its_own_digest(killed):
     """A sidecar lost (a kill between the checkpoint's rename and its sidecar's, a copy that
     left it behind): the checkpoint still proves itself intact, and loads."""
-    from repro.checkpoint import read_checkpoint
+    from repro.records.checkpoint import read_checkpoint
 
     path = checkpoint_path(killed, 20)
     expected = load_checkpoint(path)
@@ -309,7 +309,7 @@ def test_a_checkpoint_from_before_the_optimizer_was_a_target_resumes(killed, str
 
 
 def test_the_cpu_instruction_set_decides_a_cpu_resume_not_a_gpu_one():
-    from repro.checkpoint import mismatches
+    from repro.records.checkpoint import mismatches
 
     env = {"torch": "2.13.0", "cpu_capability": "AVX512", "cpu_isa": ["avx2", "avx512f"]}
     env["cpu_dispatch_limits"] = {}
@@ -330,7 +330,7 @@ def test_the_cpu_instruction_set_decides_a_cpu_resume_not_a_gpu_one():
 def test_a_checkpoint_from_before_data_test_fraction_resumes_without_a_test_split():
     """image_folder and image_mask_folder gained data.test_fraction (0: none): their older
     checkpoints lack it, which meant no test split."""
-    from repro.checkpoint import mismatches
+    from repro.records.checkpoint import mismatches
 
     data = {"_target_": "repro.data.image_mask_folder", "path": "d", "num_classes": 3}
     before = {"config": {"seed": 0, "data": data}, "device": "cpu"}

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from repro.rng import (
+from repro.base.rng import (
     derive_seed,
     keyed_generator,
     keyed_permutation,
@@ -40,7 +40,7 @@ def test_derive_seed_separates_purposes_and_counters():
 
 @pytest.mark.e2e
 def test_derive_seed_does_not_depend_on_hash_randomization():
-    code = "from repro.rng import derive_seed; print(derive_seed(7, 'order', 2))"
+    code = "from repro.base.rng import derive_seed; print(derive_seed(7, 'order', 2))"
     outs = {
         subprocess.run(
             [sys.executable, "-c", code],

@@ -15,8 +15,8 @@ import pytest
 
 import launch
 from conftest import SMALL_DATA, run_train, train_cmd, train_here, user_env
-from repro.errors import CheckpointError, ConfigError
-from repro.files import LOCK_FILE
+from repro.base.errors import CheckpointError, ConfigError
+from repro.base.files import LOCK_FILE
 
 QUICK = ["trainer.max_steps=4", "trainer.eval_every=4", *SMALL_DATA, "model.width=8"]
 
@@ -71,7 +71,7 @@ def test_a_run_directory_in_use_is_refused_naming_its_holder(tmp_path):
         [
             sys.executable,
             "-c",
-            "import sys; from pathlib import Path; from repro.rundir import RunDirLock; "
+            "import sys; from pathlib import Path; from repro.records.rundir import RunDirLock; "
             "RunDirLock(Path(sys.argv[1])).acquire(); print('held', flush=True); "
             "sys.stdin.read()",
             str(run_dir),
@@ -103,12 +103,12 @@ def test_without_file_locks_a_lock_is_an_exclusive_file_and_a_left_one_is_named(
     exclusively; one left by a killed run is refused, naming the file to delete."""
     import errno
 
-    import repro.rundir
+    import repro.records.rundir
 
     def no_locks(fd, operation):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 
-    monkeypatch.setattr(repro.rundir.fcntl, "lockf", no_locks)
+    monkeypatch.setattr(repro.records.rundir.fcntl, "lockf", no_locks)
     run_dir = tmp_path / "run"
     assert train_here(run_dir, *QUICK).summary["steps"] == 4
     assert not (run_dir / LOCK_FILE).exists()  # released
@@ -185,7 +185,7 @@ def test_a_file_a_run_would_overwrite_is_never_overwritten(tmp_path):
 def _take_in_turn(run_dir, results, start, done, trials: int, index: int) -> None:
     """One of the concurrent takers: for each trial, try to take the run directory's lock
     once all takers are ready, record whether it did, and let go once all have tried."""
-    from repro.rundir import RunDirLock
+    from repro.records.rundir import RunDirLock
 
     for trial in range(trials):
         start.wait()
@@ -249,13 +249,13 @@ def test_a_lock_whose_holder_cannot_be_written_is_removed(tmp_path, monkeypatch)
     lock behind, so the next launch (with space) runs."""
     import errno
 
-    import repro.rundir
+    import repro.records.rundir
 
     def full(fd, holder):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     run_dir = tmp_path / "run"
-    monkeypatch.setattr(repro.rundir, "_write_holder", full, raising=False)
+    monkeypatch.setattr(repro.records.rundir, "_write_holder", full, raising=False)
     with pytest.raises(CheckpointError, match="No space left on device") as err:
         train_here(run_dir, *QUICK)
     assert "\n" not in str(err.value) and "trainer.resume=auto" in str(err.value)
@@ -286,11 +286,11 @@ def test_the_printed_resume_command_pastes_back_the_run_directory(tmp_path, capl
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from repro.dist import World
-    from repro.errors import Preempted
-    from repro.preemption import Preemption
-    from repro.rundir import disk_error
-    from repro.signals import PreemptionSignals
+    from repro.base.errors import Preempted
+    from repro.base.signals import PreemptionSignals
+    from repro.base.world import World
+    from repro.engine.preemption import Preemption
+    from repro.records.rundir import disk_error
 
     run_dir = tmp_path / "outputs" / "2026-01-01" / "12-00-00_seed=0_ab" / "it's a \\b\\"
     notice = PreemptionSignals()
@@ -348,11 +348,11 @@ def test_every_file_a_run_appends_to_refuses_a_link(tmp_path):
     """The files a run writes in place rather than by rename (trace, CSV logs, the
     determinism report) never through a link; another run's logs adopted by a resume replace
     a link instead of writing through it."""
-    from repro.determinism import DeterminismReport
-    from repro.files import open_run_file
-    from repro.loggers import CsvLog
-    from repro.rundir import adopt_logs
-    from repro.trace import TraceWriter
+    from repro.base.files import open_run_file
+    from repro.defense.determinism import DeterminismReport
+    from repro.records.loggers import CsvLog
+    from repro.records.rundir import adopt_logs
+    from repro.records.trace import TraceWriter
 
     outside = tmp_path / "precious.txt"
     outside.write_text("mine\n")
@@ -382,7 +382,7 @@ def test_every_file_a_run_appends_to_refuses_a_link(tmp_path):
 def test_a_lock_file_holding_what_no_run_writes_is_taken_as_a_dead_runs(tmp_path):
     """A .lock nested too deep to parse, or naming a pid no float holds: its holder is
     unknown, and the lock (free: no process holds it) is taken, not a traceback."""
-    from repro.rundir import RunDirLock
+    from repro.records.rundir import RunDirLock
 
     for n, text in enumerate(("[" * 4096, '{"pid": 1' + "0" * 400 + "}")):
         run_dir = tmp_path / str(n)

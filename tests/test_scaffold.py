@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from conftest import ROOT, broken_links, compose_every_option, user_env
-from repro.scaffold import FILES, TASKS, remove_examples
+from repro.tools.scaffold import FILES, TASKS, remove_examples
 
 
 def free_name() -> str:
@@ -136,8 +136,8 @@ def test_repro_new_writes_a_project_whose_own_test_and_the_templates_config_test
 
 
 def test_repro_new_refuses_bad_names_before_writing_anything(tmp_path):
-    from repro.errors import ReproError
-    from repro.scaffold import new_project
+    from repro.base.errors import ReproError
+    from repro.tools.scaffold import new_project
 
     for folder in ("conf", "src", "tests"):
         (tmp_path / folder).mkdir()
@@ -166,8 +166,8 @@ def test_repro_new_refuses_bad_names_before_writing_anything(tmp_path):
 def test_repro_new_refuses_a_name_a_module_beside_train_py_takes(tmp_path):
     """`python train.py` puts the checkout's folder first on the path: a project named as a
     script there (train.py itself, or one of the fork's own) could not be imported."""
-    from repro.errors import ReproError
-    from repro.scaffold import new_project
+    from repro.base.errors import ReproError
+    from repro.tools.scaffold import new_project
 
     for folder in ("conf", "src", "tests"):
         (tmp_path / folder).mkdir()
@@ -183,7 +183,7 @@ def test_repro_new_refusals_are_one_line_and_exit_status_2(tmp_path, monkeypatch
 
     for folder in ("conf", "src", "tests"):
         (tmp_path / folder).mkdir()
-    monkeypatch.setattr("repro.config.find_conf_dir", lambda: tmp_path / "conf")
+    monkeypatch.setattr("repro.defense.config.find_conf_dir", lambda: tmp_path / "conf")
     for name in ("nan", "a" * 300, "winreg"):
         assert main(["new", name]) == 2
         out, err = capsys.readouterr()
@@ -196,8 +196,8 @@ def test_repro_new_writes_all_its_files_or_none(tmp_path, monkeypatch):
     what this call wrote and the folders it made are removed, what was there is kept."""
     import builtins
 
-    from repro.errors import ReproError
-    from repro.scaffold import FILES, new_project
+    from repro.base.errors import ReproError
+    from repro.tools.scaffold import FILES, new_project
 
     for folder in ("conf/model", "src", "tests"):
         (tmp_path / folder).mkdir(parents=True)
@@ -212,7 +212,7 @@ def test_repro_new_writes_all_its_files_or_none(tmp_path, monkeypatch):
             raise PermissionError(13, "Permission denied", str(path))
         return builtins.open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr("repro.scaffold.open", refuse_the_fourth, raising=False)
+    monkeypatch.setattr("repro.tools.scaffold.open", refuse_the_fourth, raising=False)
     with pytest.raises(ReproError) as err:
         new_project(name, tmp_path)
     message = str(err.value)
@@ -229,8 +229,8 @@ def test_repro_new_names_the_folder_it_could_not_make(tmp_path, monkeypatch):
     removed, and the line names conf/model and the folder to make writable."""
     from pathlib import Path
 
-    from repro.errors import ReproError
-    from repro.scaffold import new_project
+    from repro.base.errors import ReproError
+    from repro.tools.scaffold import new_project
 
     for folder in ("conf", "src", "tests"):
         (tmp_path / folder).mkdir()
@@ -253,8 +253,8 @@ def test_repro_new_names_the_folder_it_could_not_make(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder")
 def test_repro_new_into_a_read_only_folder_writes_nothing(tmp_path):
-    from repro.errors import ReproError
-    from repro.scaffold import new_project
+    from repro.base.errors import ReproError
+    from repro.tools.scaffold import new_project
 
     for folder in ("conf/task", "src", "tests"):
         (tmp_path / folder).mkdir(parents=True)
@@ -272,7 +272,7 @@ def test_remove_examples_removes_the_dated_records_once_and_leaves_no_broken_lin
     """On a made-up tree: dated records (a file, a folder) go, an undated file stays; links
     to them become their text, an image of them goes, other links stay; a second call
     refuses (what benchmarks/ holds then is the project's own)."""
-    from repro.errors import ReproError
+    from repro.base.errors import ReproError
 
     bench, docs = tmp_path / "benchmarks", tmp_path / "docs"
     (bench / "sweep-2026-01-02-cpu").mkdir(parents=True)

@@ -326,7 +326,7 @@ def test_make_train_says_whether_this_machine_is_the_published_digests(
         return run_dir
 
     # the entries it compares are the ones a run's env.json records
-    from repro.fingerprint import determinism_flags, environment
+    from repro.records.fingerprint import determinism_flags, environment
 
     recorded = {"environment": environment(), "flags": determinism_flags()}
     assert all(key in recorded[section] for section, key, _ in script.DECIDING)

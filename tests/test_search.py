@@ -10,8 +10,8 @@ import pytest
 import launch
 from conftest import CONF_DIR, TINY, repro, train_cmd, user_env
 from optional import require
-from repro.config import check_overrides
-from repro.errors import ConfigError, MissingPackage
+from repro.base.errors import ConfigError, MissingPackage
+from repro.defense.config import check_overrides
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_the_search_runs_its_trials_on_the_headline_metric(search):
         overrides = (search / name / ".hydra" / "overrides.yaml").read_text()
         lrs |= {line for line in overrides.splitlines() if line.startswith("- optim.lr=")}
     assert len(lrs) == 3  # the sampler chose a learning rate per trial
-    from repro.report import load_yaml
+    from repro.tools.report import load_yaml
 
     best = load_yaml(search / "optimization_results.yaml")
     assert best["best_value"] == max(s["val_accuracy"] for s in trials.values())
@@ -71,7 +71,7 @@ def test_a_trial_rerun_alone_gives_its_bits(search):
 def test_confirm_reruns_the_top_trials_over_fresh_seeds(search, tmp_path, monkeypatch):
     """In this process, its `python train.py -m ...` sweeps forked (tests/launch.py: the
     same processes, without an interpreter's start each); the command line's wiring below."""
-    from repro import search as confirming
+    from repro.tools import search as confirming
 
     monkeypatch.setattr(confirming, "subprocess", SimpleNamespace(run=launch.run))
     out_dir = tmp_path / "confirm"
@@ -113,8 +113,8 @@ def test_confirm_refuses_a_trial_whose_config_would_not_repeat(search, tmp_path)
     set a run key, or conf/ edited since): refused before anything runs, naming the key."""
     import shutil
 
-    from repro.errors import ReproError
-    from repro.search import confirm
+    from repro.base.errors import ReproError
+    from repro.tools.search import confirm
 
     copy = tmp_path / "search"
     shutil.copytree(search, copy)
@@ -132,9 +132,9 @@ def test_confirm_takes_a_search_launched_with_run_control_keys(tmp_path):
     files are written here as Hydra would, nothing trained."""
     from omegaconf import OmegaConf
 
-    from repro.config import compose
-    from repro.errors import ReproError
-    from repro.search import check_the_config_repeats, top_trials
+    from repro.base.errors import ReproError
+    from repro.defense.config import compose
+    from repro.tools.search import check_the_config_repeats, top_trials
 
     run_control = ["trainer.resume=auto", "trainer.progress=false", "trainer.resume_force=true"]
     for num, lr in enumerate(["0.05", "0.1"]):

@@ -16,8 +16,8 @@ import torch
 import launch
 from conftest import Run, cuda, run_train, train_cmd, train_here, user_env, with_tests_on_path
 from optional import require
-from repro.compare import compare_dirs
-from repro.data import (
+from repro.base.errors import ConfigError, DataError, DeterminismError
+from repro.components.data import (
     IGNORE,
     CropFlip,
     DataSplits,
@@ -29,10 +29,10 @@ from repro.data import (
     image_mask_folder,
     synthetic_shapes,
 )
-from repro.errors import ConfigError, DataError, DeterminismError
-from repro.models import UNet
-from repro.tasks import Segmentation
-from repro.trace import tensors_sha256
+from repro.components.models import UNet
+from repro.components.tasks import Segmentation
+from repro.records.trace import tensors_sha256
+from repro.tools.compare import compare_dirs
 
 # A small UNet on small shapes: 256 / 16 = 16 steps an epoch, checkpoints at 10 and 20
 # (mid-epoch), 2 micro-batches of 8 a step (one per process under torchrun).
@@ -289,13 +289,13 @@ def write_folder(root, n=24, size=32, num_classes=4, seed=9):
 
 
 def test_image_mask_folder_is_read_lazily_with_its_masks(tmp_path, monkeypatch):
-    import repro.data
+    import repro.components.data
 
     source = write_folder(tmp_path / "data")
     reads = []
-    read_image = repro.data.folders.read_image_sized
+    read_image = repro.components.data.folders.read_image_sized
     monkeypatch.setattr(
-        repro.data.folders,
+        repro.components.data.folders,
         "read_image_sized",
         lambda p, *channels: reads.append(p) or read_image(p, *channels),
     )
@@ -372,7 +372,7 @@ def test_a_bad_mask_read_in_a_loader_worker_is_one_line(tmp_path):
     from omegaconf import OmegaConf
     from PIL import Image
 
-    from repro.data import loading, make_train_loader
+    from repro.components.data import loading, make_train_loader
 
     write_folder(tmp_path / "d", n=8)
     for i in range(8):
@@ -580,14 +580,14 @@ def test_pytorchs_4d_cross_entropy_stops_a_strict_cuda_run_in_one_line(tmp_path)
     last = run.proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: strict mode: nll_loss2d"), last
     assert "in the task's loss (Segmentation.loss)" in last
-    assert "repro.ops.dense_cross_entropy" in last
+    assert "repro.components.ops.dense_cross_entropy" in last
 
 
 @cuda
 @pytest.mark.cuda
 def test_doctor_cost_names_the_stock_upsampling_and_loss_and_finds_the_preset_cheap():
-    from repro.config import compose
-    from repro.doctor import run_cost
+    from repro.defense.config import compose
+    from repro.engine.doctor import run_cost
 
     bigger = ["model.width=16", "model.depth=3", "data.image_size=64"]
     stock = run_cost(
@@ -608,7 +608,7 @@ def test_a_mask_whose_size_differs_from_its_image_is_one_line_naming_it(tmp_path
     require("PIL")
     from PIL import Image
 
-    from repro.data import image_mask_folder
+    from repro.components.data import image_mask_folder
 
     root = tmp_path / "data"
     (root / "images").mkdir(parents=True)

@@ -1,4 +1,4 @@
-"""Stable splits of the folder datasets (repro.data.splitting): a file's split is a keyed
+"""Stable splits of the folder datasets (repro.components.data.splitting): a file's split is a keyed
 hash of its name, so adding a file moves no other; groups, a split file and folds; the same
 keys through image_mask_folder and its config; `repro report` pooling folds x seeds and
 pairing jobs by (seed, fold)."""
@@ -12,8 +12,8 @@ import torch
 import yaml
 
 from optional import require
-from repro.data.splitting import assign_splits, keyed_unit, limit_splits
-from repro.errors import DataError
+from repro.base.errors import DataError
+from repro.components.data.splitting import assign_splits, keyed_unit, limit_splits
 
 KW = {"seed": 1234, "val_fraction": 0.15, "test_fraction": 0.1, "path": "d", "purpose": "t"}
 
@@ -187,9 +187,9 @@ def _mask_folder(root, stems):
 
 def test_image_mask_folder_takes_the_keys_from_its_config(tmp_path, monkeypatch):
     require("PIL")
-    from repro.build import instantiate_target
-    from repro.config import compose
-    from repro.data import image_mask_folder
+    from repro.components.data import image_mask_folder
+    from repro.defense.config import compose
+    from repro.engine.build import instantiate_target
 
     stems = [f"p{k}_{j}" for k in range(8) for j in range(2)]
     _mask_folder(tmp_path / "d", stems)
@@ -253,7 +253,7 @@ def test_a_limit_keeps_the_same_files_of_each_split_and_moves_none(tmp_path):
             limit_splits(whole, names, bad, seed=1, purpose="t")
     # through image_mask_folder: its splits, capped
     require("PIL")
-    from repro.data import image_mask_folder
+    from repro.components.data import image_mask_folder
 
     stems = [f"s{i:02d}" for i in range(30)]
     _mask_folder(tmp_path / "d", stems)
@@ -285,7 +285,7 @@ def _value(lr, seed, fold):
 
 
 def test_report_pools_folds_and_seeds_and_pairs_by_seed_and_fold(tmp_path):
-    from repro.report import build_report, format_markdown
+    from repro.tools.report import build_report, format_markdown
 
     sweep, num = tmp_path / "sweep", 0
     for lr in (0.05, 0.1):

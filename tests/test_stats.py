@@ -1,4 +1,4 @@
-"""repro.stats' t-based statistics, which it computes from their formulas with SciPy's
+"""repro.tools.stats' t-based statistics, which it computes from their formulas with SciPy's
 t distribution, against SciPy's own tests on many random inputs (intervals, the paired and
 Welch t-tests, correlations, the sign test), and the seeds a difference needs against the
 exact power of the noncentral t. The statistics SciPy lacks: tests/test_verdicts.py."""
@@ -10,7 +10,7 @@ import statistics
 import pytest
 import scipy.stats as scipy_stats  # the dev extra's: the reference, never the runtime's
 
-from repro import stats
+from repro.tools import stats
 
 CASES = 200
 

@@ -16,8 +16,8 @@ import scipy.stats as scipy_stats  # the dev extra's reference statistics
 
 import launch
 from conftest import ROOT, TINY, repro, train_cmd, user_env
-from repro.report import outliers, write_report
-from repro.stats import mean_interval, t_quantile
+from repro.tools.report import outliers, write_report
+from repro.tools.stats import mean_interval, t_quantile
 
 
 def sweep(cwd, *overrides, real=False):
@@ -109,8 +109,8 @@ def test_a_failed_job_that_said_why_gets_no_lines_from_hydra(basic, monkeypatch,
     said why) skips that line, and ends a basic sweep with its own one line."""
     from hydra.core.utils import JobReturn, JobStatus
 
-    from repro.callbacks import quiet_reported_failures
-    from repro.errors import JobFailed
+    from repro.base.errors import JobFailed
+    from repro.engine.callbacks import quiet_reported_failures
 
     monkeypatch.setattr(JobReturn, "return_value", JobReturn.__dict__["return_value"])
     quiet_reported_failures(basic)
@@ -412,7 +412,7 @@ def test_confirm_ranks_a_seed_sweep_by_each_configs_mean_and_picks_fresh_seeds(s
     """`repro confirm` on a plain sweep: a config that ran several seeds is ranked by its
     mean over them, not by its luckiest seed; the fresh seeds are those the sweep did not
     use (the re-runs themselves are tested on a search, tests/test_search.py)."""
-    from repro.search import fresh_seeds, top_trials
+    from repro.tools.search import fresh_seeds, top_trials
 
     trials, used, headline = top_trials(sequential, 2)
     report, _, _ = write_report(sequential, sequential.parent / "ranked")
@@ -455,7 +455,7 @@ def fake_sweep(sweep, values, planned=None):
 
 def test_a_summary_holding_what_no_run_writes_is_one_line_naming_it(tmp_path, capsys):
     from repro.cli import main
-    from repro.report import build_report
+    from repro.tools.report import build_report
 
     for name, text in (
         ("huge", '{"val_accuracy": ' + HUGE + ', "headline": "val_accuracy"}'),
@@ -483,7 +483,7 @@ def test_a_summary_holding_what_no_run_writes_is_one_line_naming_it(tmp_path, ca
 def test_the_report_says_which_values_it_left_out_of_the_statistics(tmp_path):
     """Jobs that finished with trainer.on_nonfinite=continue (summary.json writes their NaN
     or infinite loss as null), and values that are not numbers: named, metric by metric."""
-    from repro.report import build_report, format_markdown
+    from repro.tools.report import build_report, format_markdown
 
     values = [(0, 0.5, None), (1, 0.6, None), (2, "0.7", None), (3, math.nan, None)]
     report = build_report(fake_sweep(tmp_path / "sweep", values))
@@ -500,7 +500,7 @@ def test_the_report_says_which_values_it_left_out_of_the_statistics(tmp_path):
 
 
 def test_the_same_directory_twice_is_read_once(tmp_path, capsys):
-    from repro.report import build_report
+    from repro.tools.report import build_report
 
     sweep = fake_sweep(tmp_path / "sweep", [(0, 0.5, 1.0), (1, 0.6, 0.9), (2, 0.7, 0.8)])
     (tmp_path / "link").symlink_to(sweep)
@@ -518,7 +518,7 @@ def test_a_finished_job_without_its_launch_record_is_listed_as_finished(tmp_path
     in its group where the sweep's plan names it, else listed on its own."""
     import shutil
 
-    from repro.report import build_report, format_markdown
+    from repro.tools.report import build_report, format_markdown
 
     values = [(0, 0.5, 1.0), (1, 0.6, 0.9), (2, 0.7, 0.8), (7, 0.9, 0.1)]
     sweep = fake_sweep(tmp_path / "sweep", values, planned=[0, 1, 2, 3])

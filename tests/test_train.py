@@ -21,7 +21,7 @@ from conftest import (
     user_env,
     with_tests_on_path,
 )
-from repro.rng import derive_seed
+from repro.base.rng import derive_seed
 
 SUMMARY_KEYS = {"weights_sha256", "steps", "final_loss", "val_accuracy", "seed", "device"}
 # a sweep's jobs, short and small: what is tested is the sweep, not the training
@@ -241,7 +241,7 @@ def test_a_new_run_does_not_keep_an_earlier_attempts_eval_rows(tmp_path):
 def test_json_files_stay_valid_json_when_a_value_is_not_finite(tmp_path):
     """A diverged loss or the Dice of a class that never occurs is null in summary.json,
     env.json and report.json, not a bare NaN (which strict JSON parsers refuse)."""
-    from repro.rundir import write_json
+    from repro.records.rundir import write_json
 
     write_json(tmp_path / "s.json", {"loss": float("nan"), "dice": [float("inf"), 0.5], "n": 3})
 
@@ -265,9 +265,9 @@ def test_a_loss_that_is_not_finite_stops_the_run_after_a_checkpoint_of_the_last_
     statistics included) and no periodic checkpoint asked for: the checkpoint it writes
     holds, bit for bit, the state the uninterrupted run (trainer.on_nonfinite=continue) had
     one step before."""
-    from repro.checkpoint import load_checkpoint
-    from repro.errors import Diverged
-    from repro.trace import state_dict_sha256
+    from repro.base.errors import Diverged
+    from repro.records.checkpoint import load_checkpoint
+    from repro.records.trace import state_dict_sha256
 
     diverging = [*TINY, *model, "optim.lr=1e6", "trainer.max_steps=40", "trainer.trace_every=1"]
     with pytest.raises(Diverged, match=r"^step (\d+): the loss is (nan|inf)") as err:
@@ -299,10 +299,10 @@ def test_a_loader_error_met_while_looking_ahead_comes_after_the_step_before_it(
     """The loop fetches step s+1's batches during step s. A loader error there (a corrupt
     image) is raised when step s+1 comes: step s is trained and checkpointed first, as
     without the look-ahead."""
-    import repro.loop
-    from repro.errors import DataError
+    import repro.engine.loop
+    from repro.base.errors import DataError
 
-    real, calls = repro.loop.next_step_batches, []
+    real, calls = repro.engine.loop.next_step_batches, []
 
     def failing(*args, **kwargs):
         calls.append(1)
@@ -310,7 +310,7 @@ def test_a_loader_error_met_while_looking_ahead_comes_after_the_step_before_it(
             raise DataError("data: cannot read image bad.png")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(repro.loop, "next_step_batches", failing)
+    monkeypatch.setattr(repro.engine.loop, "next_step_batches", failing)
     run_dir = tmp_path / "run"
     with pytest.raises(DataError, match="bad.png"):
         train_here(run_dir, *TINY, "trainer.max_steps=8", "trainer.checkpoint_every=4")

@@ -13,9 +13,9 @@ import subprocess
 import pytest
 
 from conftest import preserved_global_state
+from repro.base.errors import Untrusted
 from repro.cli import main
-from repro.errors import Untrusted
-from repro.trust import check_received
+from repro.records.trust import check_received
 
 # Only what runs before the check reads these: small, should anything get that far
 SMALL = ["data.train_size=256", "data.val_size=64", "data.test_size=64", "model.width=8"]

@@ -13,9 +13,9 @@ import pytest
 import scipy.stats as sps
 
 from conftest import ROOT
-from repro import stats
-from repro.comparisons import list_change
-from repro.report import build_report, format_markdown
+from repro.tools import stats
+from repro.tools.comparisons import list_change
+from repro.tools.report import build_report, format_markdown
 
 IMAGES = 40
 
@@ -271,7 +271,7 @@ def test_a_list_difference_is_said_in_words():
 def test_confirm_confirms_only_a_best_that_beats_every_trial_by_more_than_delta():
     """repro confirm's verdict from the report's outcomes (each trial − rank 1, higher is
     better): confirmed only when every trial is worse by more than δ."""
-    from repro.search import confirmation, confirmation_text
+    from repro.tools.search import confirmation, confirmation_text
 
     def report(*outcomes, delta=0.01):
         comparisons = [
@@ -298,7 +298,7 @@ def test_confirm_confirms_only_a_best_that_beats_every_trial_by_more_than_delta(
 def test_a_presets_smallest_effect_is_read_and_is_not_in_the_config_hash(tmp_path):
     """report.sesoi in the baseline's resolved config sets δ (--sesoi wins); it says how
     runs are judged, so the config hash (and so a resume, an evaluation) ignores it."""
-    from repro.config import compose, config_hash
+    from repro.defense.config import compose, config_hash
 
     out = sweep(tmp_path, design(0.001, 0.001, 0.0005), range(8))
     for config in out.glob("*/.hydra/config.yaml"):
@@ -327,7 +327,7 @@ def test_folds_count_fold_to_fold_differences_as_the_seeds_part():
 
 
 def test_at_chance_is_a_balanced_accuracy_of_one_over_the_classes(tmp_path):
-    from repro.sample_records import collapse, read_scores
+    from repro.records.sample_records import collapse, read_scores
 
     def run(name, targets, predictions):
         d = tmp_path / name

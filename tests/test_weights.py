@@ -1,4 +1,4 @@
-"""Pretrained weights are part of the bits (repro.weights): every weights file a model's
+"""Pretrained weights are part of the bits (repro.records.weights): every weights file a model's
 construction reads is recorded with its SHA-256 -- in env.json, the determinism report and
 checkpoints -- and a resume across other files is refused. In this process, with files in
 tmp_path: nothing is downloaded."""
@@ -18,14 +18,14 @@ from torch import nn
 
 from conftest import train_here
 from optional import require
-from repro.build import build_model_and_weights, instantiate_target
-from repro.checkpoint import checkpoint_path, load_checkpoint, mismatches
-from repro.compare import RunRecords, context_differences
-from repro.config import compose
-from repro.data import synthetic
-from repro.errors import CheckpointError
-from repro.rng import derive_seed
-from repro.weights import KEY, recording_weights, report_row
+from repro.base.errors import CheckpointError
+from repro.base.rng import derive_seed
+from repro.components.data import synthetic
+from repro.defense.config import compose
+from repro.engine.build import build_model_and_weights, instantiate_target
+from repro.records.checkpoint import checkpoint_path, load_checkpoint, mismatches
+from repro.records.weights import KEY, recording_weights, report_row
+from repro.tools.compare import RunRecords, context_differences
 
 
 class LoadsWeights(nn.Module):

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from repro.errors import ReproError
-from repro.files import OVERRIDES_FILE
+from repro.base.errors import ReproError
+from repro.base.files import OVERRIDES_FILE
 
 
 def _checkpoint_path(path: Path, name: str = "checkpoint.pt") -> Path:
@@ -27,8 +27,8 @@ def _checkpoint_path(path: Path, name: str = "checkpoint.pt") -> Path:
 
 def cmd_digest(args: argparse.Namespace) -> int:
     """Print the weights' SHA-256 of a checkpoint (same as summary.json's weights_sha256)."""
-    from repro.checkpoint import load_checkpoint
-    from repro.trace import state_dict_sha256
+    from repro.records.checkpoint import load_checkpoint
+    from repro.records.trace import state_dict_sha256
 
     path = _checkpoint_path(Path(args.path))
     state = load_checkpoint(path, require_checksum=False)  # a sidecar, when there, must match
@@ -38,7 +38,7 @@ def cmd_digest(args: argparse.Namespace) -> int:
 
 def cmd_env(args: argparse.Namespace) -> int:
     """Print the environment fingerprint as JSON."""
-    from repro.fingerprint import environment
+    from repro.records.fingerprint import environment
 
     print(json.dumps(environment(), indent=2))
     return 0
@@ -46,7 +46,7 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """Compare two runs: identical bits (exit 0), or the first divergent step (exit 1)."""
-    from repro.compare import compare_dirs
+    from repro.tools.compare import compare_dirs
 
     if args.tolerance is not None and not args.tolerance >= 0:
         raise ReproError(f"--tolerance {args.tolerance}: give a number >= 0 (e.g. 1e-3).")
@@ -58,8 +58,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Find the modules of the configured model that are nondeterministic on this device
     (--cost: where strict mode costs time, module by module)."""
-    from repro.config import compose
-    from repro.doctor import run_cost, run_doctor
+    from repro.defense.config import compose
+    from repro.engine.doctor import run_cost, run_doctor
 
     if args.repeats is not None and args.repeats < 2:
         raise ReproError(f"--repeats {args.repeats}: give 2 or more.")
@@ -78,8 +78,8 @@ def cmd_preview(args: argparse.Namespace) -> int:
     """Show what the training augmentation does: a PNG of N training samples, raw and as
     training sees them in epoch E (segmentation: with the mask), and each transform's mean
     displacement and intensity change, flagging one with no visible effect."""
-    from repro.config import compose
-    from repro.preview import check_counts, run_preview, write_preview
+    from repro.defense.config import compose
+    from repro.tools.preview import check_counts, run_preview, write_preview
 
     check_counts(args.n, args.epoch)  # before the data is built
     out = Path(args.out)
@@ -96,7 +96,7 @@ def cmd_preview(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     """Summarise seed sweeps (per-seed table, mean, SD, 95% CI, outliers, curves) and compare
     their groups with a baseline, seed by seed: is B better than A?"""
-    from repro.report import write_report
+    from repro.tools.report import write_report
 
     report, text, written = write_report(
         [Path(d) for d in args.dirs],
@@ -117,10 +117,10 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     import datetime as dt
     import subprocess
 
-    from repro.compare import compare_dirs
-    from repro.config import find_conf_dir
-    from repro.files import SUMMARY_FILE, hydra_quoted
-    from repro.trust import check_received
+    from repro.base.files import SUMMARY_FILE, hydra_quoted
+    from repro.defense.config import find_conf_dir
+    from repro.records.trust import check_received
+    from repro.tools.compare import compare_dirs
 
     job = Path(args.job_dir)
     overrides = launch_overrides(job, "a job directory of a sweep")
@@ -150,7 +150,7 @@ def cmd_rerun(args: argparse.Namespace) -> int:
 def cmd_confirm(args: argparse.Namespace) -> int:
     """Re-run a search's top trials over fresh seeds and compare them seed by seed: choose
     the winner on a distribution, not on one lucky seed."""
-    from repro.search import confirm
+    from repro.tools.search import confirm
 
     report, text, written = confirm(
         Path(args.sweep_dir),
@@ -173,8 +173,8 @@ def launch_overrides(run_dir: Path, what: str = "the directory of a run") -> lis
     """The overrides a run was launched with (``.hydra/overrides.yaml``), less those that
     only say how it ran (resumed, with a progress bar, as a trial of a search); one line if
     they cannot be read."""
-    from repro.config import RUN_CONTROL, SEARCH_CONTROL
-    from repro.report import load_yaml, override_key
+    from repro.defense.config import RUN_CONTROL, SEARCH_CONTROL
+    from repro.tools.report import load_yaml, override_key
 
     launch = run_dir / OVERRIDES_FILE
     if not launch.is_file():
@@ -199,11 +199,11 @@ def _run_config(
     run_dir: Path, overrides: list[str], trust: bool = False, loaders: list[str] | None = None
 ):
     """A run's config, composed again from its launch's overrides (``.hydra/overrides.yaml``,
-    as ``repro rerun`` does) plus ``overrides``, once :func:`repro.trust.check_received`
+    as ``repro rerun`` does) plus ``overrides``, once :func:`repro.records.trust.check_received`
     has found nothing in it that would run code the user has not trusted (``trust``,
     ``loaders``: ``--trust``, ``--trust-loader``)."""
-    from repro.config import compose
-    from repro.trust import check_received
+    from repro.defense.config import compose
+    from repro.records.trust import check_received
 
     received = launch_overrides(run_dir)
     check_received(
@@ -214,9 +214,9 @@ def _run_config(
 
 def _prepared(args: argparse.Namespace):
     """The run's config, this process under its determinism settings, and the device."""
-    from repro.build import resolve_device
-    from repro.determinism import apply_determinism
-    from repro.process_env import pin_process_environment
+    from repro.defense.determinism import apply_determinism
+    from repro.defense.process_env import pin_process_environment
+    from repro.engine.build import resolve_device
 
     cfg = _run_config(Path(args.run_dir), args.overrides, args.trust, args.trust_loader)
     pin_process_environment(cfg.determinism)  # strict: re-executes once, as train.py does
@@ -229,7 +229,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     """A run's checkpoint on its data's test split (or --split val, or every file of an
     annotated --folder), under the run's config and determinism settings: the same bits as
     trainer.test=true gave at the end of the run."""
-    from repro.inference import choose_checkpoint, evaluate_checkpoint, evaluate_folder
+    from repro.engine.inference import choose_checkpoint, evaluate_checkpoint, evaluate_folder
 
     out = Path(args.out) if args.out else None
     per_sample = out.with_name(f"{out.stem}_per_image.csv") if out else None
@@ -260,7 +260,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 def cmd_predict(args: argparse.Namespace) -> int:
     """A run's model on every image under INPUT_DIR: class probabilities as CSV, or a folder
     of PNG masks for segmentation; deterministic (the same bytes on every call)."""
-    from repro.inference import choose_checkpoint, predict
+    from repro.engine.inference import choose_checkpoint, predict
 
     out, inputs = Path(args.out), Path(args.input_dir)
     if out.exists():
@@ -281,8 +281,8 @@ def cmd_new(args: argparse.Namespace) -> int:
     preset, tests/test_NAME.py (the promise, checked for it); --task segmentation: a UNet on
     an image and mask folder; --remove-examples removes the template's dated benchmark
     records."""
-    from repro.config import find_conf_dir
-    from repro.scaffold import new_project, remove_examples
+    from repro.defense.config import find_conf_dir
+    from repro.tools.scaffold import new_project, remove_examples
 
     if args.name is None and not args.remove_examples:
         raise ReproError("give a project name (repro new mylab), or --remove-examples.")
@@ -470,7 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--cost",
         action="store_true",
         help="time each module forward+backward under strict vs fast flags; name the "
-        "expensive ones and their repro.ops replacement (exit 1 if strict raises)",
+        "expensive ones and their repro.components.ops replacement (exit 1 if strict raises)",
     )
     p.add_argument("--rows", type=int, default=12, help="--cost: modules listed (default 12)")
     p.add_argument("--config-dir", help="the conf/ directory (default: ./conf, else the project's)")
