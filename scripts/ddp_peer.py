@@ -39,9 +39,9 @@ from repro.engine.build import (
     build_optimizer,
     build_schedule,
     build_task,
-    uses_channels_last,
 )
 from repro.engine.reduction import check_split, share
+from repro.engine.settle import uses_channels_last
 from repro.records.trace import state_dict_sha256
 
 ROOT = Path(__file__).resolve().parents[1]

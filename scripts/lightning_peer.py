@@ -29,14 +29,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from repro.components.data import CROP_PAD, IGNORE, DeviceNormalizer, crop_flip_batch
 from repro.defense.config import compose
-from repro.engine.build import (
-    build_data,
-    build_model,
-    build_optimizer,
-    build_schedule,
-    build_task,
-    uses_channels_last,
-)
+from repro.engine.build import build_data, build_model, build_optimizer, build_schedule, build_task
+from repro.engine.settle import uses_channels_last
 from repro.records.trace import state_dict_sha256
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -127,7 +127,7 @@ def test_channels_last_auto_is_recorded_as_the_format_it_chose(eager):
 
 
 def test_channels_last_auto_is_on_for_cuda_runs_of_models_with_2d_convolutions():
-    from repro.engine.build import memory_format_row, uses_channels_last
+    from repro.engine.settle import memory_format_row, uses_channels_last
 
     conv, mlp = TinyNet(num_classes=3), torch.nn.Sequential(torch.nn.Linear(4, 3))
     cuda, cpu = torch.device("cuda"), torch.device("cpu")  # the device object: no GPU needed

@@ -551,11 +551,12 @@ SMALL_RUN = ["data.train_size=256", "data.val_size=64"]
 
 
 def chosen(monkeypatch, *overrides, device="cuda", free_gib=100.0, cores=16, local=1):
-    """repro.engine.build.choose_loader for the composed config, on ``device`` with ``free_gib`` of
+    """repro.engine.settle.choose_loader for the composed config, on ``device`` with ``free_gib`` of
     free GPU memory, ``cores`` CPU cores and ``local`` processes on this host (no GPU
     needed: what CUDA would answer is given)."""
     from repro.defense.config import compose
-    from repro.engine.build import build_data, choose_loader
+    from repro.engine.build import build_data
+    from repro.engine.settle import choose_loader
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (free_gib * 2**30, 141 * 2**30))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)

@@ -216,7 +216,7 @@ def _prepared(args: argparse.Namespace):
     """The run's config, this process under its determinism settings, and the device."""
     from repro.defense.determinism import apply_determinism
     from repro.defense.process_env import pin_process_environment
-    from repro.engine.build import resolve_device
+    from repro.engine.settle import resolve_device
 
     cfg = _run_config(Path(args.run_dir), args.overrides, args.trust, args.trust_loader)
     pin_process_environment(cfg.determinism)  # strict: re-executes once, as train.py does

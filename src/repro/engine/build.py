@@ -18,11 +18,9 @@ The loop, ``repro doctor`` and the scripts build through here, never through the
 
 from __future__ import annotations
 
-import copy
 import functools
 import inspect
 import logging
-import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -31,18 +29,19 @@ from typing import Any
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from repro.base.errors import ConfigError, DataError, ReproError
 from repro.base.rng import derive_seed
-from repro.base.world import World, barrier, device_for
+from repro.base.world import World, barrier
 from repro.components.data import DataSplits, DeviceBatches, KeyedPipeline, make_train_loader
 from repro.components.data.pipeline_check import check_pipelines
 from repro.components.tasks import Task
 from repro.defense.config import LOOP_KEYS, locate
 from repro.engine.ema import WeightAverage
 from repro.engine.running_stats import RunningStats
+from repro.engine.settle import Settled, choose_loader, uses_channels_last
 from repro.engine.sliding_window import Window
 from repro.records.weights import recording_weights
 
@@ -83,12 +82,6 @@ def instantiate_target(node: DictConfig, group: str, **available: Any) -> Any:
             f"{group}._target_={node._target_!r} could not be built ({detail.splitlines()[0]}); "
             f"check the {group}.* keys against its signature."
         ) from err
-
-
-def resolve_device(name: str, world: World | None = None) -> torch.device:
-    """``auto`` -> cuda when available, else cpu (``validate`` has checked the others); under
-    torchrun, rank r's GPU is ``cuda:LOCAL_RANK``."""
-    return device_for(name, world or World())
 
 
 def build_data(cfg: DictConfig, world: World | None = None) -> DataSplits:
@@ -156,14 +149,23 @@ def build_model(cfg: DictConfig, data: DataSplits, device: torch.device) -> nn.M
 
 
 def build_model_and_weights(
-    cfg: DictConfig, data: DataSplits, device: torch.device
+    cfg: DictConfig, data: DataSplits, device: torch.device, channels_last: bool | None = None
 ) -> tuple[nn.Module, list[dict[str, Any]]]:
+    """:func:`instantiate_model`, then :func:`place_model` in the memory format given (a
+    run's: :class:`repro.engine.settle.Settled`), else in the one ``trainer.channels_last``
+    asks for on ``device``."""
+    model, weights = instantiate_model(cfg, data)
+    if channels_last is None:
+        t = cfg.get("trainer") or {}
+        channels_last = uses_channels_last(t.get("channels_last", False), model, device)
+    return place_model(model, cfg, device, channels_last), weights
+
+
+def instantiate_model(cfg: DictConfig, data: DataSplits) -> tuple[nn.Module, list[dict[str, Any]]]:
     """Instantiate ``cfg.model`` on the CPU with the generator keyed by ``(seed, "init")``, so
-    the initial weights are the same on every device, then move it (``channels_last``:
-    in that memory format) and, with ``trainer.compile``, compile it: with static shapes,
-    so that a micro-batch's kernels do not depend on which shapes were seen before (an
-    evaluation's, a resume's). Returns the model and the weights files its construction read
-    (pretrained weights: part of the bits; :func:`repro.records.weights.recording_weights`)."""
+    the initial weights are the same on every device. Returns the model and the weights files
+    its construction read (pretrained weights: part of the bits;
+    :func:`repro.records.weights.recording_weights`)."""
     # (a class count that is not the data's stops the run at the pre-check: check_task)
     if "in_channels" in cfg.model and cfg.model.in_channels != data.in_channels:
         log.warning(
@@ -182,13 +184,21 @@ def build_model_and_weights(
             f"model._target_={cfg.model._target_!r} returned a {type(model).__name__}, not a "
             "torch.nn.Module; point it at a model class or a function that returns one."
         )
+    return model, weights
+
+
+def place_model(
+    model: nn.Module, cfg: DictConfig, device: torch.device, channels_last: bool
+) -> nn.Module:
+    """Move ``model`` to ``device`` (``channels_last``: in that memory format) and, with
+    ``trainer.compile``, compile it: with static shapes, so that a micro-batch's kernels do
+    not depend on which shapes were seen before (an evaluation's, a resume's)."""
     t = cfg.get("trainer") or {}
-    channels_last = uses_channels_last(t.get("channels_last", False), model, device)
     model = model.to(device, memory_format=_memory_format(channels_last))
     mode = str(t.get("compile", "off"))
     if mode != "off":  # in place: the state dict keeps its keys
         model.compile(mode=None if mode == "default" else mode, dynamic=False)
-    return model, weights
+    return model
 
 
 # Constructor arguments model zoos take the class count by, instead of num_classes.
@@ -241,39 +251,6 @@ def class_count_problem(model_cfg: DictConfig, got: int, num_classes: int) -> st
     )
 
 
-def uses_channels_last(setting: Any, model: nn.Module, device: torch.device) -> bool:
-    """``trainer.channels_last``: true or false as set; ``auto``: on for a CUDA run of a
-    model with 2-D convolutions (cuDNN's NHWC kernels, faster there: docs/speed.md), off
-    elsewhere: on a CPU, and for a model without a Conv2d, whose kernels the format would
-    not change. Another format is other kernels, other bits: the value chosen is recorded in
-    the run's config before its hash (:meth:`repro.engine.loop.Run.resolved`)."""
-    if setting == "auto":
-        return device.type == "cuda" and any(isinstance(m, nn.Conv2d) for m in model.modules())
-    return bool(setting)
-
-
-def record_channels_last(cfg: DictConfig, channels_last: bool) -> DictConfig:
-    """``cfg`` with ``trainer.channels_last=auto`` replaced by the format the model was built
-    in (a copy; ``cfg`` itself when it names one): what a run records, hashes and compares
-    on a resume, so an ``auto`` run and one that set the same format are one config."""
-    if cfg.trainer.channels_last != "auto":
-        return cfg
-    cfg = copy.deepcopy(cfg)
-    with read_write(cfg), open_dict(cfg):
-        cfg.trainer.channels_last = channels_last
-    return cfg
-
-
-def memory_format_row(setting: Any, channels_last: bool, device: torch.device) -> tuple[str, str]:
-    """The determinism report's value and note for the memory format a model was built in."""
-    value = "channels_last" if channels_last else "contiguous"
-    if setting != "auto":
-        return value, "model and inputs; the two formats use other kernels" if channels_last else ""
-    if channels_last:
-        return value, "auto: a CUDA run of a model with 2-D convolutions; other kernels, other bits"
-    return value, "auto: not on CUDA" if device.type != "cuda" else "auto: no 2-D convolution"
-
-
 def _memory_format(channels_last: bool) -> torch.memory_format:
     return torch.channels_last if channels_last else torch.preserve_format
 
@@ -320,72 +297,6 @@ def _call(make: Any, group: str, *args: Any) -> Any:
             f"{group}: {name} refused its settings ({type(err).__name__}: {first}); check "
             f"the {group}.* keys."
         ) from err
-
-
-# loader=auto on CUDA, images read per sample: workers between these (a core per local GPU
-# less 2; ResNet-50 from JPEGs on one H200 with 16 cores: 12 fed it, 14 and 16 were slower;
-# conf/loader/auto.yaml)
-AUTO_WORKERS = (2, 12)
-
-
-@dataclass
-class LoaderChoice:
-    """The loader a run uses (``loader=auto`` resolved): its name, its settings, and why."""
-
-    name: str  # device | multi | single
-    cfg: DictConfig  # loader.* as used
-    why: str
-
-
-def choose_loader(cfg: DictConfig, data: DataSplits, device: torch.device) -> LoaderChoice:
-    """``loader=auto``: ``device`` on CUDA when the training split is in memory, its
-    augmentation runs on the device, and the split with its augmented copy takes at most
-    ``loader.device_fraction`` of the free GPU memory; else ``multi`` (on CUDA with workers
-    for the host's cores: :data:`AUTO_WORKERS`). Any other loader is itself. The same bits
-    either way."""
-    ld = cfg.loader
-    if not ld.get("auto", False):
-        name = "device" if ld.on_device else "multi" if int(ld.num_workers) > 0 else "single"
-        return LoaderChoice(name, ld, f"loader={name}, as configured")
-    chosen = OmegaConf.to_container(ld)
-    why = _device_loader_fits(ld, data, device)
-    if why.startswith("fits"):
-        chosen.update(on_device=True, num_workers=0, pin_memory=False)
-        chosen.update(persistent_workers=False, prefetch_factor=None)
-        return LoaderChoice("device", OmegaConf.create(chosen), f"auto: {why}")
-    if device.type == "cuda":
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        per_gpu = (cores or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        chosen["num_workers"] = max(AUTO_WORKERS[0], min(AUTO_WORKERS[1], per_gpu - 2))
-        why += f"; {chosen['num_workers']} workers for {per_gpu} CPU cores a GPU"
-    else:
-        why += f" ({chosen['num_workers']} workers)"
-    return LoaderChoice("multi", OmegaConf.create(chosen), f"auto: {why}")
-
-
-def _device_loader_fits(ld: DictConfig, data: DataSplits, device: torch.device) -> str:
-    """ "fits: ..." when ``loader=device`` can hold this training split, else why not."""
-    if device.type != "cuda":
-        return f"multi on {device.type}"
-    split = data.train
-    if not isinstance(getattr(split, "images", None), torch.Tensor):
-        return "multi: the training split is read from disk per sample"
-    pipeline = data.train_pipeline or KeyedPipeline(None, 0)
-    if not pipeline.device_capable:
-        return f"multi: augment.train ({pipeline.name}) runs sample by sample on the host"
-    size = pipeline.size or int(split.images.shape[-1])
-    per_sample = (  # bytes: uint8 or float32 images
-        split.images.shape[1] * size * size * split.images.element_size()
-        + split.labels[:1].numel() * 8
-    )
-    need = 2 * len(split) * per_sample  # the split and its augmented copy, each epoch
-    free, _ = torch.cuda.mem_get_info(device)
-    limit = float(ld.device_fraction) * free
-    gib = 2.0**30
-    sizes = f"{need / gib:.2f} GiB of {float(ld.device_fraction):g} x {free / gib:.1f} GiB free"
-    if need > limit:
-        return f"multi: the training split on the device would take {sizes}"
-    return f"fits: the training split and its augmented copy take {sizes}"
 
 
 def build_loader(
@@ -460,8 +371,22 @@ class Training:
         return list(self.model.parameters())
 
 
-def build_training(cfg: DictConfig, data: DataSplits, device: torch.device) -> Training:
-    model, weights = build_model_and_weights(cfg, data, device)
+def build_training(
+    cfg: DictConfig,
+    data: DataSplits,
+    device: torch.device | Settled,
+    built: tuple[nn.Module, list[dict[str, Any]]] | None = None,
+) -> Training:
+    """What a step needs. A run passes its :class:`repro.engine.settle.Settled` values and
+    the model :func:`instantiate_model` built for them (``built``: the model, on the CPU, and
+    the weights files it read); a tool passes a device, and the memory format is the one
+    ``trainer.channels_last`` asks for there."""
+    model, weights = built or instantiate_model(cfg, data)
+    if isinstance(device, Settled):
+        channels_last, device = device.channels_last, device.device
+    else:
+        channels_last = uses_channels_last(cfg.trainer.channels_last, model, device)
+    model = place_model(model, cfg, device, channels_last)
     optimizer = build_optimizer(cfg, model)
     return Training(
         model=model,
@@ -474,7 +399,7 @@ def build_training(cfg: DictConfig, data: DataSplits, device: torch.device) -> T
         batch_size=int(cfg.trainer.batch_size),
         clip_grad_norm=_optional_float(cfg.optim.get("clip_grad_norm")),
         ema=_weight_average(cfg.trainer.ema, model),
-        channels_last=uses_channels_last(cfg.trainer.channels_last, model, device),
+        channels_last=channels_last,
         window=Window.from_config(cfg.get("inference"), data.image_size),
         pretrained_weights=weights,
     )

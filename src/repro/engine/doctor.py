@@ -49,15 +49,8 @@ from repro.base.rng import seed_forward, seed_global_rngs
 from repro.components.data import DataSplits, DeviceNormalizer, make_train_loader
 from repro.components.ops import LOSS_KEY, REPLACEMENTS, replacement_for
 from repro.defense.determinism import flags_restored
-from repro.engine.build import (
-    Precision,
-    Training,
-    build_data,
-    build_model,
-    build_task,
-    resolve_device,
-    uses_channels_last,
-)
+from repro.engine.build import Precision, Training, build_data, build_model, build_task
+from repro.engine.settle import resolve_device, uses_channels_last
 from repro.records.trace import tensor_bytes
 
 LOSS = "(the task's loss)"

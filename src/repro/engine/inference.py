@@ -22,8 +22,9 @@ from repro.base.errors import CheckpointError, ConfigError
 from repro.base.files import BEST_FILE
 from repro.components.data import Augmented, DataSplits, DeviceNormalizer, Split
 from repro.defense.config import flatten
-from repro.engine.build import Training, build_data, build_training, record_channels_last
+from repro.engine.build import Training, build_data, build_training
 from repro.engine.evaluation import csv_field, evaluate_split, logits_at_own_size
+from repro.engine.settle import record_channels_last
 from repro.records.checkpoint import (
     cannot_restore,
     evaluation_mismatches,

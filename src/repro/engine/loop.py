@@ -51,23 +51,14 @@ from repro.components.data import DataSplits, DeviceNormalizer, loading
 from repro.components.data.intensity import describe as describe_intensity
 from repro.defense.config import config_hash, resolved_container, validate
 from repro.defense.determinism import DeterminismReport, apply_determinism
-from repro.engine.build import (
-    LoaderChoice,
-    Training,
-    build_data,
-    build_loader,
-    build_training,
-    choose_loader,
-    memory_format_row,
-    record_channels_last,
-    resolve_device,
-)
+from repro.engine.build import Training, build_data, build_loader, build_training, instantiate_model
 from repro.engine.dist import init as init_world
 from repro.engine.doctor import explain_nondeterministic_op
 from repro.engine.evaluation import check_task, evaluate_split
 from repro.engine.inference import choose_checkpoint, evaluate_checkpoint
 from repro.engine.preemption import Preemption
 from repro.engine.reduction import Reducer, check_split, share
+from repro.engine.settle import LoaderChoice, Settled, resolve_device, settle
 from repro.engine.step import NotFinite, train_step
 from repro.records.checkpoint import (
     Checkpointer,
@@ -145,10 +136,12 @@ def _train(
     report = apply_determinism(cfg, run.device)  # layers 0-2, before model and loader exist
     # built before the run directory is touched: a config that cannot build changes nothing
     data = build_data(cfg, world)
-    training = build_training(cfg, data, run.device)
-    run = run.resolved(training, report)  # channels_last=auto: what it chose; the weights read
+    built = instantiate_model(cfg, data)  # on the CPU: the same initial weights everywhere
+    settled = settle(cfg, run.device, data, built[0])  # every auto left, once; none after
+    training = build_training(cfg, data, settled, built)
+    run = run.resolved(settled, training, report)  # what is hashed: the settled config
     cfg, t = run.cfg, run.cfg.trainer
-    chosen = choose_loader(cfg, data, run.device)  # loader=auto: the same bits whichever
+    chosen = settled.loader  # loader=auto: the same bits whichever
     report_data(report, chosen, data, cfg)
     normalize = DeviceNormalizer(data, run.device, training.channels_last)
     metric_names = checked_task(run, training, data, normalize)  # before the run directory
@@ -296,20 +289,20 @@ class Run:
         identity = RunIdentity(resolved_container(cfg), config_hash(cfg), env, device.type)
         return cls(cfg, Path(run_dir), world, device, identity, started)
 
-    def resolved(self, training: Training, report: DeterminismReport) -> Run:
-        """This run with ``trainer.channels_last=auto`` replaced by the format the model was
-        built in (:func:`repro.engine.build.record_channels_last`), its identity (the config hash,
-        what a resume compares) recomputed: a resume across formats is refused as for an
-        explicit change. The weights files the model's construction read join its
-        environment (env.json and checkpoints record them; a resume across other files is
-        refused: :func:`repro.records.weights.weights_mismatches`). Both go into the determinism
+    def resolved(self, settled: Settled, training: Training, report: DeterminismReport) -> Run:
+        """This run with its settled values that decide the bits in the config
+        (:meth:`repro.engine.settle.Settled.recorded`: ``trainer.channels_last=auto`` replaced
+        by the format chosen) and its identity (the config hash, what a resume compares)
+        recomputed: a resume across formats is refused as for an explicit change. The
+        weights files the model's construction read join its environment (env.json and
+        checkpoints record them; a resume across other files is refused:
+        :func:`repro.records.weights.weights_mismatches`). Both go into the determinism
         report."""
-        setting = self.cfg.trainer.channels_last
-        layout, why = memory_format_row(setting, training.channels_last, self.device)
+        layout, why = settled.memory_format
         report.add("4 ops", "memory format", layout, note=why)
         files, why = report_row(training.pretrained_weights)
         report.add("1 CPU", "pretrained weights", files, note=why)  # beside the keyed init
-        cfg = record_channels_last(self.cfg, training.channels_last)
+        cfg = settled.recorded(self.cfg)
         ident = self.identity
         env = {**ident.environment, WEIGHTS_KEY: training.pretrained_weights}
         if cfg is self.cfg:
