@@ -141,8 +141,7 @@ def _train(
     training = build_training(cfg, data, settled, built)
     run = run.resolved(settled, training, report)  # what is hashed: the settled config
     cfg, t = run.cfg, run.cfg.trainer
-    chosen = settled.loader  # loader=auto: the same bits whichever
-    report_data(report, chosen, data, cfg)
+    report_data(report, settled.loader, data, cfg)  # loader=auto: the same bits whichever
     normalize = DeviceNormalizer(data, run.device, training.channels_last)
     metric_names = checked_task(run, training, data, normalize)  # before the run directory
     signals.stop_before_training(run.dir)
@@ -159,10 +158,10 @@ def _train(
     if world.main:  # writable, with room for two checkpoints, before the first step
         check_room(run.dir, sum(v.nbytes for v in training.model.state_dict().values()))
     resumes = restore(run, training, resume) if resume else []
-    loader = build_loader(cfg, data, run.device, start, (first, count), chosen.cfg)
+    loader = build_loader(cfg, data, run.device, start, (first, count), settled.loader.cfg)
     steps_per_epoch = loader.sampler.steps_per_epoch
     reducer = make_reducer(cfg, world)
-    describe(run, training, data, count, chosen)
+    describe(run, training, data, count, settled.loader)
     logs = open_logs(run, training, steps_per_epoch, metric_names, resume)
     checkpoints = open_checkpoints(run, training, steps_per_epoch, resumes, resume)
     signals.stop_before_training(run.dir, start)
@@ -222,7 +221,7 @@ def _train(
                 logs.close()  # all on disk before handing the signal over
                 preemption.stop(done, checkpoint_path(run.dir, done), run.dir)
     clock.stop()
-    done_with = (run, training, data, checkpoints, logs, tracer, clock, chosen)
+    done_with = (run, training, data, checkpoints, logs, tracer, clock, settled.loader)
     return broadcast_object(finish(*done_with) if world.main else None, world)
 
 
