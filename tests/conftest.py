@@ -184,6 +184,7 @@ def run_train(
         capture_output=True,
         text=True,
         timeout=600,
+        forked_ranks=check,  # torchrun's ranks without torchrun, for a run that is to succeed
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
