@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -22,8 +23,13 @@ import pytest
 import torch
 
 import launch
+import repro.tools.testing
 
 ROOT = Path(__file__).resolve().parents[1]
+# The runs of a fork's generated tests (repro new: repro.tools.testing) start as this
+# suite's do: forked from an interpreter that imported torch once, two-process ones as
+# forked ranks (launch.ForkedRanks); the same processes, without the interpreters' starts.
+repro.tools.testing.run_process = functools.partial(launch.run, forked_ranks=True)
 CONF_DIR = ROOT / "conf"
 # Strict mode's layer 0 needs these before the interpreter starts, and the in-process runs
 # of this suite are strict: pytest re-executes itself once with them, as train.py does.

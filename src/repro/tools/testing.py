@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,10 @@ from repro.defense.config import find_conf_dir
 PINNED = {"PYTHONHASHSEED": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 # Set in the run's environment: the process SIGKILLs itself after that optimizer step.
 KILL_AFTER_STEP = "REPRO_FAULT_KILL_AFTER_STEP"
+# How a run's process starts (subprocess.run's signature). A suite may put a cheaper one in
+# its place: this template's tests/conftest.py forks each run from an interpreter that has
+# imported torch once (tests/launch.py), which a fork's tests/ inherits with it.
+run_process: Callable[..., subprocess.CompletedProcess] = subprocess.run
 
 
 @dataclass
@@ -119,7 +124,7 @@ def train_killed(run_dir: Path | str, *overrides: str, after: int, timeout: floa
 def _run(
     run_dir: Path, overrides: tuple[str, ...], nproc: int | None, timeout: float, env: dict
 ) -> Trained:
-    proc = subprocess.run(
+    proc = run_process(
         command(run_dir, *overrides, nproc=nproc),
         cwd=project_root(),
         env=env,
