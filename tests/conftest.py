@@ -60,16 +60,21 @@ def pytest_configure(config: pytest.Config) -> None:
 # order, so these start at once instead of finishing alone while the other workers idle
 # (test_resume.py is split in two for the same reason: one file of ~490 worker-seconds
 # was the suite's tail on the 2-core machine).
-LONGEST_FIRST = [
-    "test_resume.py",
-    "test_dist.py",
-    "test_scaffold.py",
-    "test_resume_checkpoints.py",
-    "test_scripts.py",
-    "test_train.py",
-    "test_segmentation.py",
-    "test_sweep.py",
-    "test_search.py",
+LONGEST_FIRST = [  # worker-seconds in a `make test` here, 2026-12-04
+    "test_resume.py",  # 354
+    "test_dist.py",  # 282
+    "test_resume_checkpoints.py",  # 207
+    "test_train.py",  # 206
+    "test_sweep.py",  # 204
+    "test_segmentation.py",  # 165
+    "test_scripts.py",  # 148
+    "test_config.py",  # 91
+    "test_scaffold.py",  # 73
+    "test_augment.py",  # 64
+    "test_search.py",  # 63
+    "test_data.py",  # 56
+    "test_determinism.py",  # 55
+    "test_verify.py",  # 48
 ]
 
 
