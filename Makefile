@@ -20,13 +20,16 @@ help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
 # --no-compile: pip would byte-compile every module of every package (torch's alone: 20 of the
-# 28 s its install takes on 2 cores); Python compiles what is imported, once, on first import
-# -- which PYTHONDONTWRITEBYTECODE=1 in the caller's environment would turn into every import,
+# 28 s its install takes on 2 cores); Python compiles what is imported, on first import --
+# which PYTHONDONTWRITEBYTECODE=1 in the caller's environment would turn into every import,
 # so the targets that run Python here write the cache (./.venv, and __pycache__ under src/ and
-# tests/, ignored by git).
+# tests/, ignored by git). What every run and test process imports is compiled here, once, in
+# one process: otherwise the test workers and their runs, starting together, each compile it
+# (7 s of CPU a process here: a fresh clone's `make test` spent about a minute on it).
 define install_into
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile "$(TORCH_SPEC)"
 	$(PY) -m pip install -q --no-compile -e ".[dev]"
+	$(PY) -c "import torch._dynamo, hydra, scipy.stats, pytest, xdist, repro.engine.loop, repro.cli, repro.tools.compare"
 endef
 unexport PYTHONDONTWRITEBYTECODE
 
