@@ -25,7 +25,7 @@ help: ## list the targets
 # so the targets that run Python here write the cache (./.venv, and __pycache__ under src/ and
 # tests/, ignored by git). What every run and test process imports is compiled here, once, in
 # one process: otherwise the test workers and their runs, starting together, each compile it
-# (7 s of CPU a process here: a fresh clone's `make test` spent about a minute on it).
+# (those imports take 11.8 s of CPU without the bytecode, 4.6 s with it, on the 2-core machine).
 define install_into
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile "$(TORCH_SPEC)"
 	$(PY) -m pip install -q --no-compile -e ".[dev]"
