@@ -149,15 +149,14 @@ def build_model(cfg: DictConfig, data: DataSplits, device: torch.device) -> nn.M
 
 
 def build_model_and_weights(
-    cfg: DictConfig, data: DataSplits, device: torch.device, channels_last: bool | None = None
+    cfg: DictConfig, data: DataSplits, device: torch.device
 ) -> tuple[nn.Module, list[dict[str, Any]]]:
-    """:func:`instantiate_model`, then :func:`place_model` in the memory format given (a
-    run's: :class:`repro.engine.settle.Settled`), else in the one ``trainer.channels_last``
-    asks for on ``device``."""
+    """For the tools: :func:`instantiate_model`, then :func:`place_model` in the memory
+    format ``trainer.channels_last`` asks for on ``device`` (a run places its model in the
+    settled format: :func:`build_training`)."""
     model, weights = instantiate_model(cfg, data)
-    if channels_last is None:
-        t = cfg.get("trainer") or {}
-        channels_last = uses_channels_last(t.get("channels_last", False), model, device)
+    t = cfg.get("trainer") or {}
+    channels_last = uses_channels_last(t.get("channels_last", False), model, device)
     return place_model(model, cfg, device, channels_last), weights
 
 
