@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import csv
 import fcntl
-import functools
 import json
 import logging
 import os
@@ -27,9 +26,9 @@ import repro.tools.testing
 
 ROOT = Path(__file__).resolve().parents[1]
 # The runs of a fork's generated tests (repro new: repro.tools.testing) start as this
-# suite's do: forked from an interpreter that imported torch once, two-process ones as
-# forked ranks (launch.ForkedRanks); the same processes, without the interpreters' starts.
-repro.tools.testing.run_process = functools.partial(launch.run, forked_ranks=True)
+# suite's do: forked from an interpreter that imported torch once (torchrun and its ranks
+# too); the same processes, without the interpreters' starts.
+repro.tools.testing.run_process = launch.run
 CONF_DIR = ROOT / "conf"
 # Strict mode's layer 0 needs these before the interpreter starts, and the in-process runs
 # of this suite are strict: pytest re-executes itself once with them, as train.py does.
@@ -195,7 +194,6 @@ def run_train(
         capture_output=True,
         text=True,
         timeout=600,
-        forked_ranks=check,  # torchrun's ranks without torchrun, for a run that is to succeed
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")

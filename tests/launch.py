@@ -1,34 +1,36 @@
 """Start ``python ...`` processes for the tests, cheaply: :func:`run` and :func:`popen` take
 what :func:`subprocess.run` and :class:`subprocess.Popen` take, and start a ``python
-train.py ...``, ``python -m repro ...``, ``python scripts/x.py ...`` or ``python -c ...`` by
-forking an interpreter that has imported torch, Hydra and this package once
-(multiprocessing's forkserver), instead of starting one that imports them again: on the
-2-core CI machine that is about 4 s less per process, a few minutes per suite.
+train.py ...``, ``python -m repro ...``, ``python -m torch.distributed.run ...``, ``python
+scripts/x.py ...`` or ``python -c ...`` by forking an interpreter that has imported torch,
+Hydra and this package once (multiprocessing's forkserver), instead of starting one that
+imports them again: on the 2-core CI machine that is about 4 s of CPU less per process, a
+few minutes per suite. A forked torchrun is torchrun (rendezvous, the ranks' environment,
+monitoring, restarts, signals) whose ranks are forked from it in turn.
 
-A forked process is a process: its own pid, exit status, files, signal handlers, process
-group (``start_new_session``) and loader workers (forked from it, as from ``python
-train.py``); it runs the script as ``__main__`` with ``sys.argv`` (and ``sys.orig_argv``,
-what a re-execution runs) as given, and ends through multiprocessing's exit handler (which
-joins its child processes). What it does not do is start an interpreter or end one
-(``atexit``, non-daemon threads), so a command for which that is the point starts a real
-one: an environment without the pinned ``PYTHONHASHSEED``, a ``sitecustomize`` on
-``PYTHONPATH`` other than ``tests/faults`` (whose faults the fork installs itself),
-torchrun, and ``real=True`` (the tests of what happens at a process's exit).
+A forked process is a process: its own pid, exit status, files, signal dispositions (a new
+interpreter's), process group (``start_new_session``) and loader workers (forked from it,
+as from ``python train.py``); it runs the script as ``__main__`` with ``sys.argv`` (and
+``sys.orig_argv``, what a re-execution runs) as given, and ends through multiprocessing's
+exit handler (which joins its child processes). What it does not do is start an
+interpreter or end one (``atexit``, non-daemon threads), nor show its environment in
+``/proc/PID/environ`` (that is its parent's), so a command for which that is the point
+starts a real one: an environment without the pinned ``PYTHONHASHSEED``, a
+``sitecustomize`` on ``PYTHONPATH`` other than ``tests/faults`` (whose faults the fork
+installs itself), and ``real=True`` (the tests of what happens at a process's exit).
 """
 
 from __future__ import annotations
 
+import io
 import multiprocessing
 import os
 import runpy
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,14 @@ _outputs = Path(tempfile.mkdtemp(prefix="repro-launch-"))
 _BASE_PATH: list[str] = []
 
 
+# the signal dispositions a new interpreter starts with (a forked process takes its parent's)
+_STARTING_HANDLERS = {
+    sig: signal.SIG_DFL
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+                signal.SIGCHLD, signal.SIGALRM)
+} | {signal.SIGINT: signal.default_int_handler}  # fmt: skip
+
+
 def _server() -> Any:
     global _context
     if _context is None:
@@ -68,7 +78,9 @@ def _server() -> Any:
 def _forkable(cmd: list[str], env: dict[str, str], real: bool) -> bool:
     if real or len(cmd) < 2 or cmd[0] != sys.executable:
         return False
-    if cmd[1] == "-m" and (len(cmd) < 3 or cmd[2] == "torch.distributed.run"):
+    if cmd[1] == "-u":  # unbuffered output: what the forked process is given (_child)
+        cmd = [cmd[0], *cmd[2:]]
+    if len(cmd) < 2 or (cmd[1] == "-m" and len(cmd) < 3):
         return False
     if cmd[1] not in ("-m", "-c") and not cmd[1].endswith(".py"):
         return False
@@ -82,24 +94,41 @@ def _child(
     cmd: list[str],
     env: dict[str, str],
     cwd: str,
-    fds: tuple[str, str, str],
+    fds: tuple[str | int | None, str | int | None, str | int | None],
     session: bool,
     base_path: list[str],
 ) -> None:
-    """In the forked process: become ``python cmd[1:]`` in ``cwd`` with ``env``."""
+    """In the forked process: become ``python cmd[1:]`` in ``cwd`` with ``env``; ``fds``:
+    stdin, stdout and stderr, each a file to open, a descriptor to take, or None to keep."""
     if session:
         os.setsid()
+    for sig, handler in _STARTING_HANDLERS.items():  # an interpreter's, not its parent's
+        if signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    for target, path in enumerate(fds):
-        fd = os.open(path, os.O_RDONLY if target == 0 else os.O_WRONLY | os.O_APPEND)
-        os.dup2(fd, target)
-        os.close(fd)
+    for target, source in enumerate(fds):
+        if isinstance(source, int):
+            os.dup2(source, target)
+        elif source is not None:
+            fd = os.open(source, os.O_RDONLY if target == 0 else os.O_WRONLY | os.O_APPEND)
+            os.dup2(fd, target)
+            os.close(fd)
+    if cmd[1] == "-u":  # python -u: unbuffered stdout and stderr
+        cmd = [cmd[0], *cmd[2:]]
+        for name in ("stdout", "stderr"):
+            stream = getattr(sys, name)
+            raw = open(stream.fileno(), "wb", buffering=0, closefd=False)
+            setattr(sys, name, io.TextIOWrapper(raw, stream.encoding, stream.errors,
+                                                write_through=True))  # fmt: skip
     multiprocessing.set_start_method(None, force=True)  # as unset as in a new interpreter
+    if cmd[1:3] == ["-m", "torch.distributed.run"]:
+        _fork_ranks_from_agent()
     sys.orig_argv = [sys.executable, *cmd[1:]]  # what strict mode re-executes, if it does
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     first = str(Path(cmd[1]).resolve().parent) if cmd[1].endswith(".py") else ""
+    _BASE_PATH[:] = base_path  # for the processes it forks in turn (a torchrun agent's ranks)
     sys.path[:] = [first, *paths, *base_path]
     if str(FAULTS) in paths:  # what its sitecustomize does at an interpreter's start
         runpy.run_path(str(FAULTS / "sitecustomize.py"))
@@ -132,39 +161,82 @@ def _child(
     raise SystemExit(code)
 
 
+def _fork_ranks_from_agent() -> None:
+    """In a forked torchrun agent: its ranks (``python -u script ...``) are forked from it,
+    which has imported torch, Hydra and this package, instead of starting interpreters (as
+    torch's agent forks its workers itself when they are a function: start_method="fork").
+    Everything else is torchrun's: rendezvous, environment, monitoring, restarts, signals."""
+    try:
+        from torch.distributed.elastic.multiprocessing.subprocess_handler import (
+            subprocess_handler,
+        )
+    except ImportError:  # another torch: its ranks start interpreters
+        return
+    handler = subprocess_handler.SubprocessHandler
+    started = handler._popen
+
+    def _popen(self: Any, args: tuple, env: dict[str, str]) -> Any:
+        cmd = [str(a) for a in args]
+        if not _forkable(cmd, env, False):
+            return started(self, args, env)
+        return Forked(cmd, env, None, self._stdout, self._stderr, False, True, here=True)
+
+    handler._popen = _popen
+
+
 class Forked:
     """The :class:`subprocess.Popen` of a forked ``python`` process (no live pipes: what it
     writes is read by :meth:`communicate` once it has ended)."""
 
-    def __init__(self, cmd, env, cwd, stdout, stderr, text, start_new_session) -> None:
+    def __init__(
+        self, cmd, env, cwd, stdout, stderr, text, start_new_session, here: bool = False
+    ) -> None:
+        """``here``: forked from this process (multiprocessing's fork: a torchrun agent that
+        was itself forked has imported what its ranks need), its descriptors inherited;
+        else from the server."""
         self.args, self.text, self.returncode = cmd, text, None
         self.stdout = self.stderr = None
-        out = err = os.devnull
         self._read: list[Path | None] = [None, None]
-        if stdout is subprocess.PIPE:
-            out = self._file("out")
-            self._read[0] = Path(out)
-        if stderr is subprocess.PIPE:
-            err = self._file("err")
-            self._read[1] = Path(err)
-        elif stderr is subprocess.STDOUT:
-            err = out
-        elif stderr is None and stdout is None:
-            err = out = self._file("log")  # not read, but there to look at
-        context = _server()
+        if stdout is None and stderr is None and not here:
+            out = err = self._file("log")  # the server's output is not this caller's: a file
+        else:
+            out = self._target(stdout, 0, here)
+            err = out if stderr is subprocess.STDOUT else self._target(stderr, 1, here)
+        context = multiprocessing.get_context("fork") if here else _server()
         self.process = context.Process(
             target=_child,
             args=(
                 list(cmd),
                 env,
                 str(cwd or os.getcwd()),
-                (os.devnull, out, err),
+                (None if here else os.devnull, out, err),
                 start_new_session,
                 _BASE_PATH,
             ),
         )
         self.process.start()
         self.pid = self.process.pid
+        while start_new_session and self.poll() is None:  # as Popen: the session exists
+            try:  # when this returns, so that os.killpg(pid) reaches it
+                if os.getpgid(self.pid) == self.pid:
+                    break
+            except ProcessLookupError:
+                pass
+            time.sleep(0.001)
+
+    def _target(self, stream: Any, index: int, here: bool) -> str | int | None:
+        """Where the child's stdout (``index`` 0) or stderr (1) goes: a file to open, a
+        descriptor (forked here: inherited), or None: this process's."""
+        if stream is subprocess.PIPE:
+            path = self._file(("out", "err")[index])
+            self._read[index] = Path(path)
+            return path
+        if stream is None:
+            return None if here else self._file("log")
+        if stream is subprocess.DEVNULL:
+            return os.devnull
+        fd = stream if isinstance(stream, int) else stream.fileno()
+        return fd if here else os.readlink(f"/proc/self/fd/{fd}")
 
     @staticmethod
     def _file(kind: str) -> str:
@@ -206,91 +278,6 @@ class Forked:
         return outs[0], outs[1]
 
 
-TORCHRUN = ["-m", "torch.distributed.run", "--standalone"]
-
-
-def _ranks(cmd: list[str]) -> int | None:
-    """N for ``python -m torch.distributed.run --standalone --nproc_per_node=N x.py ...``
-    (no other torchrun option), else None."""
-    if cmd[1:4] != TORCHRUN or len(cmd) < 6 or not cmd[5].endswith(".py"):
-        return None
-    flag, _, n = cmd[4].partition("=")
-    return int(n) if flag == "--nproc_per_node" and n.isdigit() else None
-
-
-class ForkedRanks:
-    """The ranks of ``torchrun --standalone --nproc_per_node=N script ...`` for a run that is
-    to succeed (:func:`popen`'s ``forked_ranks``): N processes forked as :class:`Forked`,
-    each with the environment torchrun gives a rank (its variables, ``OMP_NUM_THREADS=1``,
-    unbuffered output) and rank 0 hosting the rendezvous store, as ``env://`` does without
-    torchrun's agent. No agent process, no interpreter starts: on the 2-core machine an
-    agent and two ranks cost about 8 s of CPU to start. The exit status is 0 when every rank
-    ends with 0, else 1 after the others are killed (torchrun's ``ChildFailedError`` without
-    its report); the output is each rank's, in rank order. The tests of torchrun itself
-    (restarts, a rank that fails or hangs, signals, two nodes) start torchrun."""
-
-    def __init__(self, cmd: list[str], n: int, env: dict[str, str], cwd: Any, text: bool):
-        self.args, self.text, self.returncode = cmd, text, None
-        with socket.socket() as s:  # a free port for rank 0's store
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        common = {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "WORLD_SIZE": str(n),
-            "LOCAL_WORLD_SIZE": str(n),
-            "ROLE_WORLD_SIZE": str(n),
-            "GROUP_WORLD_SIZE": "1",
-            "GROUP_RANK": "0",
-            "ROLE_NAME": "default",
-            "TORCHELASTIC_RESTART_COUNT": "0",
-            "TORCHELASTIC_MAX_RESTARTS": "0",
-            "TORCHELASTIC_RUN_ID": str(uuid.uuid4()),
-            "TORCHELASTIC_USE_AGENT_STORE": "False",
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-            "PYTHONUNBUFFERED": "1",
-        }
-        env = {"OMP_NUM_THREADS": "1", **env, **common}
-        script = [cmd[0], *cmd[5:]]
-        pipe = subprocess.PIPE
-        self.ranks = [
-            Forked(script, {**env, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)},
-                   cwd, pipe, pipe, text, False)
-            for r in range(n)
-        ]  # fmt: skip
-        self.pid = self.ranks[0].pid
-        self.stdout = self.stderr = None
-
-    def poll(self) -> int | None:
-        codes = [rank.poll() for rank in self.ranks]
-        if any(code not in (None, 0) for code in codes):
-            self.kill()
-            for rank in self.ranks:
-                rank.wait()
-            self.returncode = 1
-        elif all(code == 0 for code in codes):
-            self.returncode = 0
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        end = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if end is not None and time.monotonic() > end:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            time.sleep(0.05)
-        return self.returncode
-
-    def kill(self) -> None:
-        for rank in self.ranks:
-            rank.kill()
-
-    def communicate(self, timeout: float | None = None) -> tuple[Any, Any]:
-        self.wait(timeout)
-        outs = [rank.communicate() for rank in self.ranks]
-        joined = ("" if self.text else b"").join
-        return joined(o for o, _ in outs), joined(e for _, e in outs)
-
-
 def popen(
     cmd: list[str],
     *,
@@ -301,17 +288,11 @@ def popen(
     text: bool = False,
     start_new_session: bool = False,
     real: bool = False,
-    forked_ranks: bool = False,
-) -> Forked | ForkedRanks | subprocess.Popen:
+) -> Forked | subprocess.Popen:
     """:class:`subprocess.Popen` of ``cmd``, forked when it can be (module docstring);
-    ``real``: a real interpreter in any case (what happens at its exit is the point);
-    ``forked_ranks``: torchrun's ranks forked, without torchrun (:class:`ForkedRanks`), for a
-    run that is to succeed."""
+    ``real``: a real interpreter in any case (what happens at its exit is the point)."""
     cmd = [str(c) for c in cmd]
     env = dict(os.environ if env is None else env)
-    n = _ranks(cmd) if forked_ranks and not real else None
-    if n is not None and _forkable([cmd[0], *cmd[5:]], env, False):
-        return ForkedRanks(cmd, n, env, cwd, text)
     if not _forkable(cmd, env, real):
         return subprocess.Popen(
             cmd,
@@ -338,10 +319,8 @@ def run(
     check: bool = False,
     start_new_session: bool = False,
     real: bool = False,
-    forked_ranks: bool = False,
 ) -> subprocess.CompletedProcess:
-    """:func:`subprocess.run` of ``cmd``, forked when it can be (module docstring;
-    ``forked_ranks``: :func:`popen`'s)."""
+    """:func:`subprocess.run` of ``cmd``, forked when it can be (module docstring)."""
     if capture_output:
         stdout = stderr = subprocess.PIPE
     proc = popen(
@@ -353,7 +332,6 @@ def run(
         text=text,
         start_new_session=start_new_session,
         real=real,
-        forked_ranks=forked_ranks,
     )
     try:
         out, err = proc.communicate(timeout=timeout)

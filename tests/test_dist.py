@@ -22,6 +22,7 @@ from torch import nn
 import launch
 from conftest import Run, run_train, train_cmd, train_here, user_env, with_tests_on_path
 from repro.base.errors import ConfigError, ReproError
+from repro.base.files import LOCK_FILE
 from repro.base.world import World, launched_world
 from repro.defense.config import compose
 from repro.engine.reduction import (
@@ -129,9 +130,11 @@ def stop_torchrun(proc) -> None:
         proc.kill()
 
 
-def rank_of(pid: int) -> int:
-    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return int(next(v for v in env if v.startswith(b"RANK="))[5:])
+def not_rank_0(proc, run_dir: Path) -> list[int]:
+    """The pids of torchrun's ranks other than rank 0, which holds the run directory's lock
+    (its pid written there; a forked rank's /proc/PID/environ is its parent's)."""
+    holder = json.loads((run_dir / LOCK_FILE).read_text())["pid"]
+    return [w for w in workers_of(proc.pid) if w != holder]
 
 
 @pytest.mark.e2e
@@ -149,7 +152,7 @@ def test_a_rank_that_hangs_stops_the_group_after_the_timeout_with_one_line_namin
         while proc.poll() is None and time.monotonic() - start < 120:
             started = metrics_file.is_file() and metrics_file.read_text().count("\n") > 3
             if stopped is None and started:
-                (stopped,) = [w for w in workers_of(proc.pid) if rank_of(w) == 1]
+                (stopped,) = not_rank_0(proc, tmp_path / "run")  # rank 1 of 2
                 os.kill(stopped, signal.SIGSTOP)
                 stopped_at = time.monotonic()
             if stopped and "stopped answering" in log.read_text():
