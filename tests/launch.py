@@ -236,7 +236,7 @@ class Forked:
         if stream is subprocess.DEVNULL:
             return os.devnull
         fd = stream if isinstance(stream, int) else stream.fileno()
-        return fd if here else os.readlink(f"/proc/self/fd/{fd}")
+        return fd if here else f"/proc/{os.getpid()}/fd/{fd}"  # opens it, deleted or not
 
     @staticmethod
     def _file(kind: str) -> str:
