@@ -123,6 +123,7 @@ def _child(
             setattr(sys, name, io.TextIOWrapper(raw, stream.encoding, stream.errors,
                                                 write_through=True))  # fmt: skip
     multiprocessing.set_start_method(None, force=True)  # as unset as in a new interpreter
+    subprocess.Popen = _Popen  # type: ignore[misc]  # what it starts is forked in turn
     if cmd[1:3] == ["-m", "torch.distributed.run"]:
         _fork_ranks_from_agent()
     sys.orig_argv = [sys.executable, *cmd[1:]]  # what strict mode re-executes, if it does
@@ -184,6 +185,27 @@ def _fork_ranks_from_agent() -> None:
     handler._popen = _popen
 
 
+class _Popen(subprocess.Popen):
+    """:class:`subprocess.Popen` in a forked process: a ``python ...`` it starts (a script's
+    runs, ``repro``'s) is forked from it in turn when :func:`_forkable` and given only what
+    :class:`Forked` does (no stdin, no descriptors to pass), else started as ever."""
+
+    _FORKED_KEYS = {"env", "cwd", "stdout", "stderr", "text", "universal_newlines",
+                    "encoding", "errors", "start_new_session"}  # fmt: skip
+
+    def __new__(cls, args: Any = None, *rest: Any, **kwargs: Any) -> Any:
+        if not rest and isinstance(args, list | tuple) and kwargs.keys() <= cls._FORKED_KEYS:
+            cmd = [str(a) for a in args]
+            env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
+            if _forkable(cmd, env, False):
+                text = bool(kwargs.get("text") or kwargs.get("universal_newlines"))
+                text = text or kwargs.get("encoding") is not None
+                return Forked(cmd, env, kwargs.get("cwd"), kwargs.get("stdout"),
+                              kwargs.get("stderr"), text, bool(kwargs.get("start_new_session")),
+                              here=True)  # fmt: skip
+        return super().__new__(cls)
+
+
 class Forked:
     """The :class:`subprocess.Popen` of a forked ``python`` process (no live pipes: what it
     writes is read by :meth:`communicate` once it has ended)."""
@@ -236,7 +258,11 @@ class Forked:
         if stream is subprocess.DEVNULL:
             return os.devnull
         fd = stream if isinstance(stream, int) else stream.fileno()
-        return fd if here else f"/proc/{os.getpid()}/fd/{fd}"  # opens it, deleted or not
+        if here:
+            return fd
+        named = os.readlink(f"/proc/self/fd/{fd}")  # the caller may close it once started
+        # else a deleted file, a pipe: opened through this process, which holds it open
+        return named if os.path.isfile(named) else f"/proc/{os.getpid()}/fd/{fd}"
 
     @staticmethod
     def _file(kind: str) -> str:
@@ -265,7 +291,15 @@ class Forked:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
-    def communicate(self, timeout: float | None = None) -> tuple[Any, Any]:
+    def __enter__(self) -> Forked:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wait()
+
+    def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[Any, Any]:
+        if input is not None:
+            raise ValueError("a forked process has no stdin to write to")
         self.wait(timeout)
         outs = []
         for path in self._read:
