@@ -4,8 +4,9 @@ train.py ...``, ``python -m repro ...``, ``python -m torch.distributed.run ...``
 scripts/x.py ...`` or ``python -c ...`` by forking an interpreter that has imported torch,
 Hydra and this package once (multiprocessing's forkserver), instead of starting one that
 imports them again: on the 2-core CI machine that is about 4 s of CPU less per process, a
-few minutes per suite. A forked torchrun is torchrun (rendezvous, the ranks' environment,
-monitoring, restarts, signals) whose ranks are forked from it in turn.
+few minutes per suite. What a forked process starts in turn -- a script's runs, a
+torchrun's ranks -- is forked from it the same way (it has imported the same): a forked
+torchrun is torchrun (rendezvous, the ranks' environment, monitoring, restarts, signals).
 
 A forked process is a process: its own pid, exit status, files, signal dispositions (a new
 interpreter's), process group (``start_new_session``) and loader workers (forked from it,
