@@ -47,6 +47,9 @@ PRELOAD = [
     "repro.cli",
     "repro.tools.compare",
 ]
+# set (to anything): every process starts a real interpreter, as without this module (to
+# tell a fault of the tests' own launching from one of the code under test)
+NO_FORK = "REPRO_TESTS_NO_FORK"
 # must be what the server started with: they are read when an interpreter starts
 AT_START = ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG", "PYTHONUNBUFFERED")
 
@@ -77,7 +80,7 @@ def _server() -> Any:
 
 
 def _forkable(cmd: list[str], env: dict[str, str], real: bool) -> bool:
-    if real or len(cmd) < 2 or cmd[0] != sys.executable:
+    if real or len(cmd) < 2 or cmd[0] != sys.executable or os.environ.get(NO_FORK):
         return False
     if cmd[1] == "-u":  # unbuffered output: what the forked process is given (_child)
         cmd = [cmd[0], *cmd[2:]]
@@ -189,13 +192,16 @@ def _fork_ranks_from_agent() -> None:
 class _Popen(subprocess.Popen):
     """:class:`subprocess.Popen` in a forked process: a ``python ...`` it starts (a script's
     runs, ``repro``'s) is forked from it in turn when :func:`_forkable` and given only what
-    :class:`Forked` does (no stdin, no descriptors to pass), else started as ever."""
+    :class:`Forked` does (no stdin, no descriptors to pass) and this process has one thread
+    (forking a process with others, whose locks may be held, is what deadlocks), else
+    started as ever."""
 
     _FORKED_KEYS = {"env", "cwd", "stdout", "stderr", "text", "universal_newlines",
                     "encoding", "errors", "start_new_session"}  # fmt: skip
 
     def __new__(cls, args: Any = None, *rest: Any, **kwargs: Any) -> Any:
-        if not rest and isinstance(args, list | tuple) and kwargs.keys() <= cls._FORKED_KEYS:
+        plain = not rest and isinstance(args, list | tuple) and kwargs.keys() <= cls._FORKED_KEYS
+        if plain and len(os.listdir("/proc/self/task")) == 1:  # its threads, C++'s included
             cmd = [str(a) for a in args]
             env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
             if _forkable(cmd, env, False):
