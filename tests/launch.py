@@ -79,6 +79,16 @@ def _server() -> Any:
     return _context
 
 
+def start_method() -> str:
+    """For ``torch.multiprocessing.start_processes(..., start_method=start_method())``: its
+    processes forked from the server (which imported torch once), or real interpreters
+    ("spawn") under :data:`NO_FORK`."""
+    if os.environ.get(NO_FORK):
+        return "spawn"
+    _server()  # the one forkserver of this process, with PRELOAD
+    return "forkserver"
+
+
 def _forkable(cmd: list[str], env: dict[str, str], real: bool) -> bool:
     if real or len(cmd) < 2 or cmd[0] != sys.executable or os.environ.get(NO_FORK):
         return False

@@ -570,7 +570,8 @@ def test_both_ordered_reductions_over_three_processes_are_the_tree_of_one(tmp_pa
     import torch.multiprocessing as mp
 
     results = tmp_path / "results.pt"
-    mp.spawn(_reduce_in_three_processes, args=(str(tmp_path / "rdv"), str(results)), nprocs=3)
+    mp.start_processes(_reduce_in_three_processes, args=(str(tmp_path / "rdv"), str(results)),
+                       nprocs=3, start_method=launch.start_method())  # fmt: skip
     out = torch.load(results)
     assert "gradient of parameter 1 was replaced" in out.pop("replaced")
     loss, grads, extras = out.pop("all_reduce")  # a sum, in another order: close, not equal
