@@ -115,6 +115,7 @@ def test_profile_step_reports_where_a_steps_time_goes_as_rank_0_of_2(tmp_path):
         *("--label", "tiny", "--out", str(tmp_path), "--"),
         "trainer.batch_size=64",
         "trainer.micro_batch_size=16",
+        "trainer.on_nonfinite=continue",  # a fake all-to-all may leave garbage (torch 2.11)
     )
     (report,) = tmp_path.glob("profile-tiny-*.md")
     text = report.read_text()
