@@ -59,7 +59,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # order, so these start at once instead of finishing alone while the other workers idle
 # (test_resume.py is split in two for the same reason: one file of ~490 worker-seconds
 # was the suite's tail on the 2-core machine).
-LONGEST_FIRST = [  # worker-seconds in a `make test` here, 2026-12-04
+LONGEST_FIRST = [  # worker-seconds in a `make test` here, 2026-12-04, before torchrun was forked
     "test_resume.py",  # 354
     "test_dist.py",  # 282
     "test_resume_checkpoints.py",  # 207
