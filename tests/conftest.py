@@ -55,6 +55,24 @@ def pytest_configure(config: pytest.Config) -> None:
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_files_in_the_session(tmp_path_factory):
+    """What this worker and the processes it starts put in the temporary folder (torchrun's
+    logs, multiprocessing's sockets, the launcher's output files) goes under the session's
+    own folder, which pytest removes with the older sessions', not into /tmp for good."""
+    folder = tmp_path_factory.getbasetemp() / "tmp"
+    folder.mkdir(exist_ok=True)
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(folder)
+    tempfile.tempdir = None  # read TMPDIR again
+    yield
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
+    tempfile.tempdir = None
+
+
 # The longest files first: `make test` gives each xdist worker whole files, in collection
 # order, so these start at once instead of finishing alone while the other workers idle
 # (test_resume.py is split in two for the same reason: one file of ~490 worker-seconds

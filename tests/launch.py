@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import io
 import multiprocessing
+import multiprocessing.util
 import os
 import runpy
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,7 +56,10 @@ NO_FORK = "REPRO_TESTS_NO_FORK"
 AT_START = ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG", "PYTHONUNBUFFERED")
 
 _context: Any = None
-_outputs = Path(tempfile.mkdtemp(prefix="repro-launch-"))
+# the files that carry a forked process's output back: a folder of this process's, made on
+# first use and removed as this process ends (multiprocessing's exit handler: an interpreter's
+# or a forked process's end alike), so that no run of the suite leaves one behind
+_outputs: tuple[int, Path] | None = None
 # the sys.path of a new interpreter before its script's folder and PYTHONPATH (the standard
 # library, site-packages, the editable install): not the test session's additions
 _BASE_PATH: list[str] = []
@@ -122,6 +127,7 @@ def _child(
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+    tempfile.tempdir = None  # TMPDIR as given, not the one its parent read
     for target, source in enumerate(fds):
         if isinstance(source, int):
             os.dup2(source, target)
@@ -283,7 +289,11 @@ class Forked:
 
     @staticmethod
     def _file(kind: str) -> str:
-        fd, path = tempfile.mkstemp(prefix=f"{kind}-", dir=_outputs)
+        global _outputs
+        if _outputs is None or _outputs[0] != os.getpid():  # not a folder of its parent's
+            _outputs = (os.getpid(), Path(tempfile.mkdtemp(prefix="repro-launch-")))
+            multiprocessing.util.Finalize(None, shutil.rmtree, (_outputs[1], True), exitpriority=0)
+        fd, path = tempfile.mkstemp(prefix=f"{kind}-", dir=_outputs[1])
         os.close(fd)
         return path
 
