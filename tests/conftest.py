@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -56,14 +57,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _temporary_files_in_the_session(tmp_path_factory):
+def _temporary_files_in_the_session():
     """What this worker and the processes it starts put in the temporary folder (torchrun's
-    logs, multiprocessing's sockets, the launcher's output files) goes under the session's
-    own folder, which pytest removes with the older sessions', not into /tmp for good."""
-    folder = tmp_path_factory.getbasetemp() / "tmp"
-    folder.mkdir(exist_ok=True)
+    logs, multiprocessing's sockets, the launcher's output files) goes into a folder of the
+    session's, removed as it ends, not into /tmp for good. A short path under the system's:
+    a socket's path must fit in 108 bytes (a fork's own test session nests in this one)."""
+    folder = tempfile.mkdtemp(prefix="repro-tests-")
     before = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = str(folder)
+    os.environ["TMPDIR"] = folder
     tempfile.tempdir = None  # read TMPDIR again
     yield
     if before is None:
@@ -71,6 +72,7 @@ def _temporary_files_in_the_session(tmp_path_factory):
     else:
         os.environ["TMPDIR"] = before
     tempfile.tempdir = None
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 # The longest files first: `make test` gives each xdist worker whole files, in collection
