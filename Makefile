@@ -26,9 +26,12 @@ help: ## list the targets
 # tests/, ignored by git). What every run and test process imports is compiled here, once, in
 # one process: otherwise the test workers and their runs, starting together, each compile it
 # (those imports take 11.8 s of CPU without the bytecode, 4.6 s with it, on the 2-core machine).
+# torch._dynamo (which strict mode's torch.use_deterministic_algorithms imports) is compiled
+# on the second core while pip installs the rest on the first; that import's outcome does not
+# matter (a package pip is still writing may fail it): the last line imports it all again.
 define install_into
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile "$(TORCH_SPEC)"
-	$(PY) -m pip install -q --no-compile -e ".[dev]"
+	$(PY) -c "import torch._dynamo" >/dev/null 2>&1 & $(PY) -m pip install -q --no-compile -e ".[dev]"; s=$$?; wait; exit $$s
 	$(PY) -c "import torch._dynamo, hydra, scipy.stats, pytest, xdist, repro.engine.loop, repro.cli, repro.tools.compare"
 endef
 unexport PYTHONDONTWRITEBYTECODE
@@ -59,14 +62,18 @@ train: install ## train the default ConvNet on the synthetic data, strict mode (
 	$(PY) train.py $(ARGS)
 	@$(if $(ARGS),true,$(PY) scripts/published_digest.py)
 
+# what tests/conftest.py pins (PINNED, SESSION) and would otherwise re-execute pytest to set,
+# given here so that pytest starts once (a plain `pytest` re-executes itself: the same run)
+TEST_ENV := PYTHONHASHSEED=0 CUBLAS_WORKSPACE_CONFIG=:4096:8 OMP_WAIT_POLICY=PASSIVE
+
 test: install ## run the whole test suite, as CI does (CUDA tests skip without a GPU)
-	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: install ## the in-process tests only: for the edit-test loop
-	$(PY) -m pytest -m "not e2e and not cuda" $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest -m "not e2e and not cuda" $(PYTEST_ARGS)
 
 test-cuda: install ## run only the CUDA-marked tests (on a GPU machine)
-	$(PY) -m pytest -m cuda $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest -m cuda $(PYTEST_ARGS)
 
 mutations: install ## check that the tests catch the bugs listed in tests/README.md
 	$(PY) scripts/mutations.py $(ARGS)

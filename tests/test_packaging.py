@@ -52,6 +52,20 @@ def test_ci_runs_the_readme_test_command():
     assert "make test" in (ROOT / ".ci" / "run").read_text()
 
 
+def test_make_test_starts_pytest_with_what_the_suite_pins():
+    """The Makefile gives pytest the environment conftest pins, so pytest starts once; were
+    they to drift apart, every `make test` would pay for a second start."""
+    from conftest import PINNED, SESSION
+
+    makefile = (ROOT / "Makefile").read_text()
+    given = re.search(r"^TEST_ENV := (.*)$", makefile, re.M)
+    assert given, "Makefile: no TEST_ENV line"
+    assert dict(kv.split("=", 1) for kv in given.group(1).split()) == {**PINNED, **SESSION}
+    for target in ("test", "test-fast", "test-cuda"):
+        recipe = re.search(rf"^{target}:.*\n\t(.*)$", makefile, re.M)
+        assert recipe and recipe.group(1).startswith("$(TEST_ENV) "), target
+
+
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "tests" / "README.md"]
 
 
