@@ -38,21 +38,29 @@ TINY = [
 ]
 
 
+COMPILED = [*TINY, "trainer.compile=default"]
+
+
 @pytest.fixture(scope="module")
 def eager(tmp_path_factory):
     return train_here(tmp_path_factory.mktemp("eager") / "run", *TINY)
 
 
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """The compiled run (main-process loader), uninterrupted: what the others must equal."""
+    return train_here(tmp_path_factory.mktemp("compiled") / "run", *COMPILED)
+
+
 @pytest.mark.e2e
 def test_a_compiled_strict_run_repeats_with_any_loader_and_differs_from_eager_as_config(
-    eager, tmp_path
+    eager, compiled, tmp_path
 ):
     """Dropout draws inside the compiled graph too (keyed per micro-batch). The first run
     compiles; the others reuse its kernels."""
-    compiled = [*TINY, "trainer.compile=default"]
-    single = train_here(tmp_path / "single", *compiled, "loader=single")
-    multi = train_here(tmp_path / "multi", *compiled, "loader=multi", "loader.num_workers=2")
-    on_device = train_here(tmp_path / "device", *compiled, "loader=device")
+    single = compiled
+    multi = train_here(tmp_path / "multi", *COMPILED, "loader=multi", "loader.num_workers=2")
+    on_device = train_here(tmp_path / "device", *COMPILED, "loader=device")
     digests = {r.summary["weights_sha256"] for r in (single, multi, on_device)}
     assert len(digests) == 1 and single.losses == multi.losses == on_device.losses
     assert single.entry("inductor deterministic")["value"] is True
@@ -75,14 +83,13 @@ def stop_after(step):
 
 
 @pytest.mark.e2e
-def test_a_compiled_run_resumes_exactly_and_an_eager_one_cannot_resume_it(tmp_path):
-    compiled = [*TINY, "trainer.compile=default"]
-    straight = train_here(tmp_path / "straight", *compiled)
+def test_a_compiled_run_resumes_exactly_and_an_eager_one_cannot_resume_it(compiled, tmp_path):
     with pytest.raises(Stop):
-        train_here(tmp_path / "resumed", *compiled, after_step=stop_after(5))  # checkpoint: 3
-    resumed = train_here(tmp_path / "resumed", *compiled, "trainer.resume=auto")
+        train_here(tmp_path / "resumed", *COMPILED, after_step=stop_after(5))  # checkpoint: 3
+    resumed = train_here(tmp_path / "resumed", *COMPILED, "trainer.resume=auto")
     assert resumed.summary["resumes"][0]["step"] == 3
-    assert resumed.summary["weights_sha256"] == straight.summary["weights_sha256"]
+    assert resumed.summary["weights_sha256"] == compiled.summary["weights_sha256"]
+    assert resumed.losses == compiled.losses
     differ = r"trainer.compile: default \(checkpoint\) vs off \(now\)"
     with pytest.raises(CheckpointError, match=differ):
         train_here(tmp_path / "eager", *TINY, f"trainer.resume={tmp_path / 'resumed'}")
@@ -161,6 +168,6 @@ def test_compiling_keeps_the_state_dict_keys():
     from repro.defense.config import compose
     from repro.engine.build import build_model
 
-    cfg = compose([*TINY, "trainer.compile=default"])
+    cfg = compose(COMPILED)
     model = build_model(cfg, synthetic(train_size=64, val_size=16), torch.device("cpu"))
     assert all(not k.startswith("_orig_mod") for k in model.state_dict())
