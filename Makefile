@@ -9,9 +9,10 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
-# the whole suite in parallel workers, three a core (at most 6: the tests wait on the
-# processes they start about a third of the time), each test file in one worker
-XDIST ?= -n $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) * 3 ))) --maxprocesses 6 --dist loadfile
+# the whole suite in parallel workers, two a core (at most 6: the tests wait on the processes
+# they start a part of the time; 4 workers on 2 cores were 4-6 % faster than 6, tests/README),
+# each test file in one worker
+XDIST ?= -n $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) * 2 ))) --maxprocesses 6 --dist loadfile
 
 .DEFAULT_GOAL := help
 .PHONY: help install add new train test test-fast test-cuda mutations verify bench gpu-check report lint format clean distclean
