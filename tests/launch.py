@@ -7,6 +7,8 @@ imports them again: on the 2-core CI machine that is about 4 s of CPU less per p
 few minutes per suite. What a forked process starts in turn -- a script's runs, a
 torchrun's ranks -- is forked from it the same way (it has imported the same): a forked
 torchrun is torchrun (rendezvous, the ranks' environment, monitoring, restarts, signals).
+A process forked from one that had started CUDA (torchrun's agent on a GPU machine) could
+not start it again, so it makes itself a real interpreter (the same pid, files and session).
 
 A forked process is a process: its own pid, exit status, files, signal dispositions (a new
 interpreter's), process group (``start_new_session``) and loader workers (forked from it,
@@ -135,6 +137,11 @@ def _child(
             fd = os.open(source, os.O_RDONLY if target == 0 else os.O_WRONLY | os.O_APPEND)
             os.dup2(fd, target)
             os.close(fd)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda._is_in_bad_fork():
+        # forked from a process that had started CUDA (a torchrun agent on a GPU machine
+        # asks how many GPUs there are): CUDA cannot start here, so become a real interpreter
+        os.execve(sys.executable, list(cmd), env)
     if cmd[1] == "-u":  # python -u: unbuffered stdout and stderr
         cmd = [cmd[0], *cmd[2:]]
         for name in ("stdout", "stderr"):

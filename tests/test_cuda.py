@@ -36,6 +36,17 @@ def test_strict_on_cuda_twice_and_with_workers_is_identical(train_run):
         assert result.identical and result.lines[0].startswith("identical: 40 steps")
 
 
+def test_one_gpu_under_torchrun_gives_the_bits_of_the_run_without_it(train_run):
+    """torchrun's agent starts CUDA (it asks how many GPUs there are), so a rank forked from
+    it could not (the tests' launcher then makes it a real interpreter): on the GPU, one rank
+    under torchrun trains to the plain run's bits."""
+    plain = train_run("plain", *SHORT, "device=cuda")
+    under = train_run("torchrun", *SHORT, "device=cuda", nproc=1)
+    assert under.summary["world_size"] == 1 and under.summary["device"].startswith("cuda")
+    assert under.summary["weights_sha256"] == plain.summary["weights_sha256"]
+    assert under.losses == plain.losses
+
+
 def test_the_defaults_on_cuda_put_the_split_on_the_gpu_and_the_model_in_channels_last(train_run):
     """loader=auto and trainer.channels_last=auto (the defaults; train_run picks loader=single
     unless told) on CUDA: the split fits, so it is loader=device; the ConvNet has 2-D
