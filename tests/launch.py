@@ -7,8 +7,9 @@ imports them again: on the 2-core CI machine that is about 4 s of CPU less per p
 few minutes per suite. What a forked process starts in turn -- a script's runs, a
 torchrun's ranks -- is forked from it the same way (it has imported the same): a forked
 torchrun is torchrun (rendezvous, the ranks' environment, monitoring, restarts, signals).
-A process forked from one that had started CUDA (torchrun's agent on a GPU machine) could
-not start it again, so it makes itself a real interpreter (the same pid, files and session).
+A process forked from one that had started CUDA (torchrun's agent on a GPU machine has, by
+the time it starts its ranks) could not start it again, so it makes itself a real
+interpreter (the same pid, files and session).
 
 A forked process is a process: its own pid, exit status, files, signal dispositions (a new
 interpreter's), process group (``start_new_session``) and loader workers (forked from it,
@@ -139,8 +140,8 @@ def _child(
             os.close(fd)
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda._is_in_bad_fork():
-        # forked from a process that had started CUDA (a torchrun agent on a GPU machine
-        # asks how many GPUs there are): CUDA cannot start here, so become a real interpreter
+        # forked from a process that had started CUDA (a torchrun agent on a GPU machine):
+        # CUDA cannot start here, so become a real interpreter
         os.execve(sys.executable, list(cmd), env)
     if cmd[1] == "-u":  # python -u: unbuffered stdout and stderr
         cmd = [cmd[0], *cmd[2:]]

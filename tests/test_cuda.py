@@ -37,9 +37,9 @@ def test_strict_on_cuda_twice_and_with_workers_is_identical(train_run):
 
 
 def test_one_gpu_under_torchrun_gives_the_bits_of_the_run_without_it(train_run):
-    """torchrun's agent starts CUDA (it asks how many GPUs there are), so a rank forked from
-    it could not (the tests' launcher then makes it a real interpreter): on the GPU, one rank
-    under torchrun trains to the plain run's bits."""
+    """torchrun's agent on a GPU machine has started CUDA by the time it starts its ranks, so
+    a rank forked from it could not (the tests' launcher then makes it a real interpreter):
+    on the GPU, one rank under torchrun trains to the plain run's bits."""
     plain = train_run("plain", *SHORT, "device=cuda")
     under = train_run("torchrun", *SHORT, "device=cuda", nproc=1)
     assert under.summary["world_size"] == 1 and under.summary["device"].startswith("cuda")
