@@ -139,7 +139,7 @@ def _child(
             os.dup2(fd, target)
             os.close(fd)
     torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda._is_in_bad_fork():
+    if torch is not None and getattr(torch.cuda, "_is_in_bad_fork", lambda: False)():
         # forked from a process that had started CUDA (a torchrun agent on a GPU machine):
         # CUDA cannot start here, so become a real interpreter
         os.execve(sys.executable, list(cmd), env)
