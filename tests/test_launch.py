@@ -3,9 +3,8 @@
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT
 
 # a process that forks a child, which forks a grandchild, each capturing its child's output
 # through the launcher's files (forked here: no preloaded server, no torch)
