@@ -9,6 +9,7 @@ import csv
 import fcntl
 import json
 import logging
+import multiprocessing.util
 import os
 import re
 import shutil
@@ -72,7 +73,11 @@ def _temporary_files_in_the_session():
     else:
         os.environ["TMPDIR"] = before
     tempfile.tempdir = None
-    shutil.rmtree(folder, ignore_errors=True)
+    # removed as this process ends, after multiprocessing has removed its own folder in it
+    # (the forkserver's socket; exit priority -100), which would fail if it went first
+    multiprocessing.util.Finalize(
+        None, shutil.rmtree, args=(folder,), kwargs={"ignore_errors": True}, exitpriority=-1000
+    )
 
 
 # The longest files first: `make test` gives each xdist worker whole files, in collection
