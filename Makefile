@@ -9,10 +9,12 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
-# the whole suite in parallel workers, two a core (at most 6: the tests wait on the processes
-# they start a part of the time; 4 workers on 2 cores were 4-6 % faster than 6, tests/README),
-# each test file in one worker
-XDIST ?= -n $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) * 2 ))) --maxprocesses 6 --dist loadfile
+# the whole suite in parallel workers, one a core and one more (at most 6): the tests wait on
+# the processes they start a part of the time, which the extra worker fills; more workers
+# than that cost CPU (an interpreter and a preloaded server each, runs' threads contending).
+# On 2 cores, pairs run back to back: 3 workers 381 s against 4's 425 s, 396 s against 467 s;
+# 2 workers 498 s against 3's 443 s (tests/README); each test file in one worker
+XDIST ?= -n $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) + 1 ))) --maxprocesses 6 --dist loadfile
 
 .DEFAULT_GOAL := help
 .PHONY: help install add new train test test-fast test-cuda mutations verify bench gpu-check report lint format clean distclean

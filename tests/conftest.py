@@ -37,8 +37,8 @@ CONF_DIR = ROOT / "conf"
 PINNED = {"PYTHONHASHSEED": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 # And for the whole session (every process it starts inherits it): OpenMP threads that wait
 # for work sleep instead of spinning, so that the test workers (`make test` runs pytest-xdist,
-# one worker a core) do not burn each other's cores while their runs' threads wait. It
-# changes when a thread wakes, not what it computes.
+# one worker a core and one more) do not burn each other's cores while their runs' threads
+# wait. It changes when a thread wakes, not what it computes.
 SESSION = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
