@@ -11,10 +11,8 @@ ARGS ?=
 PYTEST_ARGS ?=
 # the whole suite in parallel workers, one a core and one more (at most 6): the tests wait on
 # the processes they start a part of the time, which the extra worker fills; more workers
-# than that cost CPU (an interpreter and a preloaded server each, runs' threads contending).
-# On 2 cores, pairs run back to back: 3 workers 381 s against 4's 425 s, 396 s against 467 s;
-# 2 workers 498 s against 3's 443 s, in one checkout (from a fresh clone, 3 and 4 were even:
-# tests/README); each test file in one worker
+# than that cost CPU (an interpreter and a preloaded server each, runs' threads contending;
+# measured side by side in tests/README.md); each test file in one worker
 XDIST ?= -n $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) + 1 ))) --maxprocesses 6 --dist loadfile
 
 .DEFAULT_GOAL := help
