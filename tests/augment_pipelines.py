@@ -114,14 +114,17 @@ class ReadsTheClock(DrawsFromEverything):
 
 
 class Raises(DrawsFromEverything):
-    """Fails on some inputs (``in_worker``: only in a loader worker, past the check)."""
+    """Fails on some inputs (``in_worker``: only in a loader worker's process, past the
+    check, which plays a worker's get_worker_info() but not its parent process)."""
 
     def __init__(self, size: int, in_worker: bool = False) -> None:
         super().__init__(size)
         self.in_worker = in_worker
 
     def __call__(self, image, target):
-        if not self.in_worker or torch.utils.data.get_worker_info() is not None:
+        import multiprocessing
+
+        if not self.in_worker or multiprocessing.parent_process() is not None:
             raise ValueError(f"cannot cut a {tuple(image.shape)} image")
         return resize_image(image, (self.size, self.size)), target
 
@@ -131,3 +134,115 @@ class ToGray(DrawsFromEverything):
 
     def __call__(self, image, target):
         return resize_image(image, (self.size, self.size))[:1], target
+
+
+# ---- what a worker has and the main process has not (test_pipeline_check, test_threads):
+# each flips or shifts its image by something other than the sample and its key
+
+
+class ReadsTheClockFourTimesASecond(DrawsFromEverything):
+    """Flips in every other quarter second: a period that divides a whole-second shift."""
+
+    def __call__(self, image, target):
+        import time
+
+        image = resize_image(image, (self.size, self.size))
+        return (image.flip(-1) if int(time.time() * 4) % 2 else image), target
+
+
+class ReadsTheClockWhenBuilt(DrawsFromEverything):
+    """Reads the clock once, in ``__init__``: each worker and each resume builds it anew."""
+
+    def __init__(self, size: int) -> None:
+        import time
+
+        super().__init__(size)
+        self.flip = int(time.time()) % 2
+
+    def __call__(self, image, target):
+        image = resize_image(image, (self.size, self.size))
+        return (image.flip(-1) if self.flip else image), target
+
+
+class ReadsTheCalendar(DrawsFromEverything):
+    """``time.gmtime()`` or ``time.localtime()`` with no argument: the clock, not through
+    ``time.time``."""
+
+    def __init__(self, size: int, local: bool = False) -> None:
+        super().__init__(size)
+        self.local = local
+
+    def __call__(self, image, target):
+        import time
+
+        now = time.localtime() if self.local else time.gmtime()
+        image = resize_image(image, (self.size, self.size))
+        return (image.flip(-1) if now.tm_sec % 2 else image), target
+
+
+class ReadsTheProcessId(DrawsFromEverything):
+    """Shifts by ``os.getpid()``: another in each loader worker."""
+
+    def __call__(self, image, target):
+        import os
+
+        image = resize_image(image, (self.size, self.size))
+        return image.roll(os.getpid() % 5, dims=-1), target
+
+
+class ReadsAnAddress(DrawsFromEverything):
+    """Shifts by ``id()`` of its input: where the allocator put it."""
+
+    def __call__(self, image, target):
+        image = resize_image(image, (self.size, self.size))
+        return image.roll((id(image) >> 4) % 5, dims=-1), target
+
+
+class ReadsTheWorkerId(DrawsFromEverything):
+    """Shifts by the loader worker's number (0 in the main process)."""
+
+    def __call__(self, image, target):
+        info = torch.utils.data.get_worker_info()
+        image = resize_image(image, (self.size, self.size))
+        return image.roll(1 + info.id if info is not None else 0, dims=-1), target
+
+
+class UsesNumpysThreads(DrawsFromEverything):
+    """Multiplies a matrix made of its image by itself in NumPy, whose BLAS (OpenBLAS)
+    runs on threads of its own, beyond torch's thread count."""
+
+    def __call__(self, image, target):
+        image = resize_image(image, (self.size, self.size))
+        m = np.resize(image.double().numpy(), (384, 384))
+        m.dot(m)
+        return image, target
+
+
+class Standardises:
+    """A per-image z-score in torch, a float32 image in and out: two reductions over the whole
+    image (its mean and standard deviation), as a user writes one."""
+
+    def __call__(self, image, target):
+        x = image.float()
+        return (x - x.mean()) / x.std().clamp_min(1e-6), target
+
+
+class ReadsItsSettings:
+    """Writes what its arithmetic runs under into its image's first row: torch's thread count,
+    the deterministic-algorithms flag and its warn_only, fill_uninitialized_memory, CPU
+    autocast, the default dtype and device, the float32 matmul precision."""
+
+    def __call__(self, image, target):
+        image = image.float().clone()
+        seen = [
+            torch.get_num_threads(),
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+            torch.utils.deterministic.fill_uninitialized_memory,
+            torch.is_autocast_enabled("cpu"),
+            torch.get_default_dtype() == torch.float32,
+            torch.get_default_device().type == "cpu",
+            torch.get_float32_matmul_precision() == "highest",
+        ]
+        image[0, 0, : len(seen)] = torch.tensor([float(v) for v in seen])
+        return image, target

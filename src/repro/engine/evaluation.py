@@ -33,6 +33,7 @@ from repro.components.data import (
     Split,
 )
 from repro.components.data.augment import stack, stack_targets
+from repro.components.data.sample_settings import pinned_here
 from repro.components.tasks import Task
 from repro.engine.build import Training, class_count_problem
 from repro.engine.sliding_window import predict_logits, resize_logits
@@ -135,9 +136,12 @@ def scored_batches(
     for i in range(0, n, step):
         index = torch.arange(i, min(i + step, n))
         if not augmented:
-            yield _forward_batch(training, normalize, *split.fetch(index))
+            with pinned_here():  # read as a loader worker reads (one thread, the run's flags)
+                batch = split.fetch(index)
+            yield _forward_batch(training, normalize, *batch)
             continue
-        images, targets = raw.fetch(index)
+        with pipeline.settings.pinned():
+            images, targets = raw.fetch(index)
         if back and (training.window.native or _masks_off_size(targets, pipeline.size)):
             for logits, mask in zip(
                 logits_at_own_size(training, normalize, list(images), index, pipeline),

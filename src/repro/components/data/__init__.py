@@ -13,6 +13,7 @@ batch is cut on the host or on the GPU cannot change them.
 ``intensity``          how a folder image's values become the model's input (data.intensity)
 ``cifar``              CIFAR-10 from its archive, without running pickled code
 ``augment``            keyed augmentation
+``sample_settings``    what per-sample work runs under in any process: one thread, the run's flags
 ``loading``            the keyed sampler, the micro-batches, the loaders
 =====================  ===============================================================
 
@@ -68,6 +69,7 @@ from repro.components.data.loading import (
     make_train_loader,
     on_device,
 )
+from repro.components.data.sample_settings import SAMPLE_THREADS, SampleSettings
 from repro.components.data.splits import (
     IGNORE,
     STATISTICS_SAMPLE,
@@ -106,7 +108,9 @@ __all__ = [
     "IGNORE",
     "IMAGE_SUFFIXES",
     "Intensity",
+    "SAMPLE_THREADS",
     "STATISTICS_SAMPLE",
+    "SampleSettings",
     "DataSplits",
     "DeviceBatches",
     "DeviceNormalizer",

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 
 from repro.base.errors import ConfigError, DataError, ReproError
 from repro.base.rng import derive_seed, keyed_draws
+from repro.components.data.sample_settings import SampleSettings
 from repro.components.data.splits import IGNORE, stack_images
 
 log = logging.getLogger("repro")
@@ -359,11 +360,10 @@ class SegmentationAugment:
             )
             grid = grid + smooth.permute(0, 2, 3, 1)
         moved = F.grid_sample(image[None].float(), grid, mode="bilinear", align_corners=False)
-        x = moved[0] * (1 + self.brightness * (2 * u[5] - 1))
-        mean = x.mean()
-        x = (x - mean) * (1 + self.contrast * (2 * u[6] - 1)) + mean
-        # uint8 rounded and clamped, as always; float32 (already mapped) as computed
-        image = x.round().clamp(0, 255).to(torch.uint8) if image.dtype == torch.uint8 else x
+        image = _brightness_contrast(
+            moved[0], 1 + self.brightness * (2 * u[5] - 1), 1 + self.contrast * (2 * u[6] - 1),
+            image.dtype,
+        )  # fmt: skip
         if isinstance(target, torch.Tensor) and target.dim() == 2:
             both = torch.stack([target.float(), torch.ones_like(target, dtype=torch.float32)])
             moved = F.grid_sample(both[None], grid, mode="nearest", align_corners=False)[0]
@@ -435,13 +435,26 @@ def _placement(n: int, size: int, u: float) -> tuple[int, int, int]:
     return 0, int(u * (size - n + 1)), n
 
 
-def _brightness_contrast(image: torch.Tensor, brightness: float, contrast: float) -> torch.Tensor:
-    """The image scaled by ``brightness``, then its contrast about its mean by ``contrast``:
-    uint8 rounded and clamped to 0..255; float32 left as computed."""
+def _brightness_contrast(
+    image: torch.Tensor, brightness: float, contrast: float, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The image scaled by ``brightness``, then its contrast about its mean by ``contrast``,
+    returned as ``dtype`` (the image's own if None): uint8 rounded and clamped to 0..255;
+    float32 left as computed. The mean is :func:`image_mean`'s: the same bits whatever the
+    thread count."""
     x = image.float() * brightness
-    mean = x.mean()
+    mean = image_mean(x)
     x = (x - mean) * contrast + mean
-    return x.round().clamp(0, 255).to(torch.uint8) if image.dtype == torch.uint8 else x
+    return x.round().clamp(0, 255).to(torch.uint8) if (dtype or image.dtype) == torch.uint8 else x
+
+
+def image_mean(x: torch.Tensor) -> float:
+    """The mean of every value of ``x``, summed in float64 by NumPy: one fixed order on one
+    thread. torch's own ``x.mean()`` splits a sum of more than 32,768 elements across the
+    intra-op threads, so its last bits follow the thread count (a 3 × 128 × 128 image
+    already; docs/determinism.md#threads); NumPy's pairwise sum is never threaded, and the
+    intensity mapping reduces the same way (:mod:`repro.components.data.intensity`)."""
+    return float(np.mean(x.numpy(force=True), dtype=np.float64))
 
 
 class Compose:
@@ -606,6 +619,9 @@ class KeyedPipeline:
         self.pipeline, self.seed, self.where = pipeline, seed, where
         # a pipeline of shipped transforms draws only from its key: no global state to set
         self.own_keys = pipeline is None or bool(getattr(pipeline, "keyed", False))
+        # what every call runs under, in any process: one thread, this process's flags now
+        # (after the determinism layers), carried into the loader's workers with the pipeline
+        self.settings = SampleSettings.here()
 
     @property
     def name(self) -> str:
@@ -617,12 +633,13 @@ class KeyedPipeline:
         key = (self.seed, int(epoch), int(index))
         try:
             if self.own_keys:
-                out = _call(self.pipeline, image, target, key)
+                with self.settings.pinned():
+                    out = _call(self.pipeline, image, target, key)
             else:
                 # its own copy: a transform that writes into its input (a Cutout) would
                 # otherwise change an in-memory split's stored image for every later epoch
                 image, target = image.clone(), _copy(target)
-                with keyed_global_state(*key):
+                with self.settings.pinned(), keyed_global_state(*key):
                     out = _call(self.pipeline, image, target, key)
         except ReproError:
             raise
@@ -662,7 +679,8 @@ class KeyedPipeline:
     def keyed_batch(self, images: torch.Tensor, targets: torch.Tensor, epochs, index):  # noqa: ANN001, ANN201
         if self.pipeline is None:
             return images, targets
-        return self.pipeline.keyed_batch(images, targets, self.seed, epochs, index)
+        with self.settings.pinned():
+            return self.pipeline.keyed_batch(images, targets, self.seed, epochs, index)
 
     def samples(self, images: Any, targets: Any, epochs: torch.Tensor, index: torch.Tensor):  # noqa: ANN201
         """Each sample of a fetch through the pipeline, stacked."""

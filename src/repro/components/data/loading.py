@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 from repro.base.errors import ConfigError, DataError, ReproError
 from repro.base.rng import keyed_generator, keyed_permutation, worker_init_fn
 from repro.components.data.augment import KeyedPipeline, Resize
+from repro.components.data.sample_settings import pinned_here
 from repro.components.data.splits import DataSplits, Split, TensorImages, stack_images
 
 
@@ -39,11 +40,14 @@ class KeyedBatches(Dataset):
 
     def fetch(self, epochs: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The samples ``index`` (int64, on the split's device) in ``epochs`` (the same
-        length, or one element), augmented."""
-        images, targets = self.split.fetch(index)
-        if self.pipeline.batched(images):
-            return self.pipeline.keyed_batch(images, targets, epochs, index)
-        return self.pipeline.samples(images, targets, epochs, index)
+        length, or one element), read and augmented under the pipeline's
+        :class:`~repro.components.data.sample_settings.SampleSettings` (one thread, the run's
+        flags) in whichever process fetches them: the same bits in a worker and here."""
+        with self.pipeline.settings.pinned():
+            images, targets = self.split.fetch(index)
+            if self.pipeline.batched(images):
+                return self.pipeline.keyed_batch(images, targets, epochs, index)
+            return self.pipeline.samples(images, targets, epochs, index)
 
 
 class KeyedBatchSampler:
@@ -177,9 +181,10 @@ def on_device(split: Split, size: int | None, device: torch.device) -> TensorIma
         size is None or tuple(split.images.shape[-2:]) == (size, size)
     ):
         return split.to(device)
-    images, targets = split.fetch(torch.arange(len(split)))
-    resize = Resize(size)
-    pairs = [resize(images[i], targets[i]) for i in range(len(images))]
+    with pinned_here():  # the resize a worker would do, as a worker does it
+        images, targets = split.fetch(torch.arange(len(split)))
+        resize = Resize(size)
+        pairs = [resize(images[i], targets[i]) for i in range(len(images))]
     labels = (
         torch.stack([t for _, t in pairs])
         if isinstance(pairs[0][1], torch.Tensor) and pairs[0][1].dim() == 2

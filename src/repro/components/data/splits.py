@@ -140,7 +140,11 @@ class Augmented:
         return getattr(self.split, "device", torch.device("cpu"))
 
     def fetch(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.apply(*self.split.fetch(index), index)
+        """The samples ``index``, read and through the pipeline under its settings (one
+        thread, the run's flags: :mod:`repro.components.data.sample_settings`), as a loader
+        worker would."""
+        with self.pipeline.settings.pinned():
+            return self.apply(*self.split.fetch(index), index)
 
     def apply(self, images: Any, targets: Any, index: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """The samples ``index`` as fetched from the split (``images``, ``targets``) through

@@ -1,0 +1,118 @@
+"""Per-sample work runs under one set of settings in every process: the one-thread rule.
+
+A CPU reduction's last bits follow torch's intra-op thread count: above 32,768 elements
+(``at::internal::GRAIN_SIZE``) ATen splits a sum across the threads, and each split adds in
+another order. A DataLoader worker runs with one thread (PyTorch sets it as the worker
+starts), the main process with ``determinism.cpu_threads``; so the same transform --
+``x - x.mean()`` over a 3 × 128 × 128 image -- gave other bits under ``loader=single`` than
+under ``loader=multi``. Threads are not all: a worker started by ``spawn`` or ``forkserver``
+(macOS's default; Python 3.14's on Linux) begins with PyTorch's defaults, not the run's
+deterministic-algorithms flags, and the main process could be inside an autocast region.
+
+:class:`SampleSettings` is what every per-sample computation -- reading a sample, mapping its
+intensities, augmenting it -- runs under, wherever it runs: in the loader's workers and in
+the main process (``loader=single``, evaluation, the augmentation self-check, ``repro
+preview``, the normalisation statistics):
+
+- **one intra-op thread**, as a worker has (:data:`SAMPLE_THREADS`);
+- **autocast off** on the CPU, and **the CPU as the default device**;
+- **the run's flags** as the main process had them when the pipeline was built
+  (:meth:`SampleSettings.here`): ``use_deterministic_algorithms`` and its ``warn_only``,
+  ``fill_uninitialized_memory`` (what ``torch.empty`` holds), the float32 matmul precision
+  and the default dtype. The snapshot is part of the pickled pipeline, so a worker applies
+  the main process's flags whatever its start method.
+
+In the main process everything is put back afterwards; a loader worker keeps them (nothing
+else runs there). Entering is a few reads when nothing differs (0.5 µs), and one
+``torch.set_num_threads`` each way in the main process (0.4 µs the pair).
+
+Not pinned, because PyTorch cannot: a library's own thread pool (OpenCV's, an OpenBLAS
+under NumPy) -- the self-check names a transform whose work runs on other threads
+(:mod:`repro.components.data.pipeline_check`) -- and the CPU's flush-to-zero mode
+(``torch.set_flush_denormal`` has no getter, so it could not be put back).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+# the intra-op threads of every per-sample computation: a DataLoader worker's
+SAMPLE_THREADS = 1
+
+_inside = 0  # > 0 while a pinned() block runs in this process: nested blocks change nothing
+
+
+@dataclass(frozen=True)
+class SampleSettings:
+    """The flags per-sample work runs under besides the thread count (see the module
+    docstring); :meth:`here` reads them from this process."""
+
+    deterministic: bool = False
+    warn_only: bool = False
+    fill_uninitialized_memory: bool = True
+    matmul_precision: str = "highest"
+    default_dtype: torch.dtype = torch.float32
+
+    @classmethod
+    def here(cls) -> SampleSettings:
+        """This process's flags, now: taken when a pipeline is built (after the determinism
+        layers), carried with it into the loader's workers."""
+        return cls(
+            deterministic=torch.are_deterministic_algorithms_enabled(),
+            warn_only=torch.is_deterministic_algorithms_warn_only_enabled(),
+            fill_uninitialized_memory=bool(torch.utils.deterministic.fill_uninitialized_memory),
+            matmul_precision=torch.get_float32_matmul_precision(),
+            default_dtype=torch.get_default_dtype(),
+        )
+
+    def apply(self) -> None:
+        """Make these this process's flags (each only where it differs)."""
+        if (
+            torch.are_deterministic_algorithms_enabled() != self.deterministic
+            or torch.is_deterministic_algorithms_warn_only_enabled() != self.warn_only
+        ):
+            torch.use_deterministic_algorithms(self.deterministic, warn_only=self.warn_only)
+        if torch.utils.deterministic.fill_uninitialized_memory != self.fill_uninitialized_memory:
+            torch.utils.deterministic.fill_uninitialized_memory = self.fill_uninitialized_memory
+        if torch.get_float32_matmul_precision() != self.matmul_precision:
+            torch.set_float32_matmul_precision(self.matmul_precision)
+        if torch.get_default_dtype() != self.default_dtype:
+            torch.set_default_dtype(self.default_dtype)
+
+    @contextlib.contextmanager
+    def pinned(self) -> Iterator[None]:
+        """Inside: one intra-op thread, autocast off on the CPU, the CPU as the default
+        device, and these flags; afterwards, in the main process, what was there before."""
+        global _inside
+        if _inside:  # a fetch around its pipeline's calls: pinned once, by the outer block
+            yield
+            return
+        worker = torch.utils.data.get_worker_info() is not None
+        before = None if worker else (SampleSettings.here(), torch.get_num_threads())
+        if torch.get_num_threads() != SAMPLE_THREADS:
+            torch.set_num_threads(SAMPLE_THREADS)
+        self.apply()
+        _inside += 1
+        try:
+            with contextlib.ExitStack() as stack:
+                if torch.is_autocast_enabled("cpu"):
+                    stack.enter_context(torch.autocast("cpu", enabled=False))
+                if torch.get_default_device().type != "cpu":
+                    stack.enter_context(torch.device("cpu"))
+                yield
+        finally:
+            _inside -= 1
+            if before is not None:
+                before[0].apply()
+                if torch.get_num_threads() != before[1]:
+                    torch.set_num_threads(before[1])
+
+
+def pinned_here() -> contextlib.AbstractContextManager:
+    """:meth:`SampleSettings.pinned` with this process's flags: for per-sample work outside a
+    pipeline (the host-side resize of ``loader=device``)."""
+    return SampleSettings.here().pinned()
