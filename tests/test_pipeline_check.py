@@ -8,6 +8,7 @@ transform's error in a loader worker keeps its message and the sample.
 Built through ``repro.engine.build.build_data`` (the same call train.py makes), on a folder of 72
 images of mixed sizes in 3 classes: no training, except the one worker test."""
 
+import os
 import time
 
 import pytest
@@ -17,8 +18,8 @@ from conftest import CONF_DIR, mixed_image_folder, train_here
 from optional import require
 from repro.base.errors import DataError, ReproError
 from repro.components.data.loading import KeyedBatches
+from repro.components.data.pipeline_check import UNPROVEN
 from repro.defense.config import compose
-from repro.defense.determinism import NOT_COVERED
 from repro.engine.build import build_data
 
 FOLDER = [
@@ -99,6 +100,76 @@ def test_a_transform_reading_the_clock_is_refused(folder):
     assert "augment_pipelines.ReadsTheClock" in message and "reads the clock" in message
 
 
+@pytest.mark.parametrize(
+    "target",
+    [
+        "ReadsTheClockFourTimesASecond",  # a period that divides a whole-second shift
+        "ReadsTheClockWhenBuilt",  # once, in __init__
+        "ReadsTheCalendar",  # time.gmtime()
+        "ReadsTheCalendar local=true",  # time.localtime()
+    ],
+)
+def test_a_clock_read_any_way_is_refused(folder, target):
+    name, *keys = target.split()
+    message = refused(folder, *user(name, **dict(k.split("=") for k in keys)))
+    assert f"augment_pipelines.{name}" in message and "reads the clock" in message
+
+
+@pytest.mark.parametrize("target", ["ReadsTheProcessId", "ReadsTheWorkerId", "ReadsAnAddress"])
+def test_what_differs_between_processes_is_refused(folder, target):
+    """A worker has another pid, its own get_worker_info() and other addresses: the check's
+    second pass runs as another process would."""
+    message = refused(folder, *user(target))
+    assert f"augment_pipelines.{target}" in message
+    if target == "ReadsAnAddress":  # another build moves it too, as a random state would
+        assert "an object's address" in message
+    else:
+        assert "differs between processes" in message and "reads the clock" not in message
+
+
+def test_a_private_generator_for_one_class_of_sixteen_is_refused():
+    """Class 13 of 16: not among the 6 spread samples; the check takes one sample of each
+    class (6 spread and 6 more, at most 12, missed 4 of 16 classes)."""
+    cfg = ["data.num_classes=16", "data.train_size=512", "data.val_size=64",
+           "data.image_size=16", "model.width=8"]  # fmt: skip
+    with pytest.raises(ReproError, match="PrivateForOneClass gives another output"):
+        build_data(compose([*cfg, *user("PrivateForOneClass", only=13)], CONF_DIR))
+    checked = build_data(compose(cfg, CONF_DIR)).augment_check
+    assert checked.classes == (16, 16)
+    assert checked.samples >= 16
+
+
+def test_a_transform_on_threads_of_its_own_is_named(folder, caplog):
+    """NumPy's BLAS runs a matrix product on OpenBLAS's threads, which torch's one-thread
+    pin cannot reach: named in a warning and in the report's self-check row."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: no other thread to run on")
+    data = build(folder, *user("UsesNumpysThreads"))
+    checked = data.augment_check
+    assert checked.threaded and "augment_pipelines.UsesNumpysThreads" in checked.threaded[0]
+    assert "on threads of its own" in checked.summary()
+    assert any("ran on threads of its own" in r.getMessage() for r in caplog.records)
+
+
+def test_the_check_leaves_the_process_as_it_found_it(folder):
+    """Its second pass plays another process (pid, addresses, a loader worker's info, the
+    clock); afterwards all of it, the global generators, the threads and the flags are back."""
+    import datetime
+    import random
+
+    import numpy as np
+
+    threads, pid, now = torch.get_num_threads(), os.getpid(), time.time()
+    states = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    build(folder, *user("DrawsFromEverything"))
+    assert torch.get_num_threads() == threads and os.getpid() == pid
+    assert torch.utils.data.get_worker_info() is None
+    assert abs(time.time() - now) < 60 and datetime.datetime.now().year >= 2026
+    assert id(folder) == id(folder) and hash(folder) == hash(folder)
+    assert torch.equal(torch.get_rng_state(), states[0])
+    assert (np.random.get_state()[1] == states[1]).all() and random.getstate() == states[2]
+
+
 def test_the_eval_pipeline_is_checked_as_the_training_one(folder):
     message = refused(folder, *user("PrivateGenerator", "eval"))
     assert message.startswith("augment.eval: augment_pipelines.PrivateGenerator gives another")
@@ -161,7 +232,8 @@ def test_the_shipped_pipelines_pass_quickly_and_the_report_names_what_is_not_pro
         data = build(folder, f"augment={preset}")
         assert data.augment_check is not None and "2 builds" in data.augment_check.summary()
         assert time.perf_counter() - start < 10  # the cost is measured in benchmarks/, not here
-    assert any("self-check" in line and "not see" in line for line in NOT_COVERED)
+        assert data.augment_check.threaded == []  # the shipped ones run on the calling thread
+    assert "self-check" in UNPROVEN and "not see" in UNPROVEN
 
 
 @pytest.mark.e2e

@@ -47,11 +47,7 @@ NOT_COVERED = [
     "across PyTorch/CUDA releases, and between CPU and GPU",
     "third-party code with its own RNG that does not draw from the seeded global generators",
     "custom CUDA extensions and ops PyTorch does not know to be nondeterministic",
-    "augmentation: state that changes only after more calls than the self-check makes (up "
-    "to 12 samples x 4 keys, 2 builds, 2 orders, 2 clock times), a draw only inputs it did "
-    "not see trigger, and a clock read through a name bound at import "
-    "(repro.components.data.pipeline_check)",
-]
+]  # and what the augmentation self-check cannot prove: the run adds it with the data's rows
 
 
 @contextmanager

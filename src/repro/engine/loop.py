@@ -49,6 +49,8 @@ from repro.base.signals import PreemptionSignals, armed
 from repro.base.world import World, barrier, broadcast_object, on_main
 from repro.components.data import DataSplits, DeviceNormalizer, loading
 from repro.components.data.intensity import describe as describe_intensity
+from repro.components.data.pipeline_check import UNPROVEN as AUGMENT_UNPROVEN
+from repro.components.data.sample_settings import SAMPLE_THREADS
 from repro.defense.config import config_hash, resolved_container, validate
 from repro.defense.determinism import DeterminismReport, apply_determinism
 from repro.engine.build import Training, build_data, build_loader, build_training, instantiate_model
@@ -242,8 +244,15 @@ def report_data(
     pipeline's class) and what the augmentation self-check tried."""
     report.add("3 data", "loader", chosen.name, note=chosen.why)
     report.add("3 data", "augment", augment_choice(cfg))
+    report.add(
+        "3 data",
+        "per-sample work",
+        f"{SAMPLE_THREADS} thread, the run's flags",
+        note="in workers and in this process alike (repro.components.data.sample_settings)",
+    )
     if data.augment_check is not None:
         report.add("3 data", "augment self-check", data.augment_check.summary())
+        report.not_covered.append(AUGMENT_UNPROVEN)
 
 
 def augment_choice(cfg: DictConfig) -> str:

@@ -1,19 +1,32 @@
 """The augmentation self-check, before step 1 and before anything is written.
 
 A pipeline is reproducible when its output is a function of the sample and its key alone.
-The loop makes the global generators a function of the key (:class:`KeyedPipeline`), so
-what can still break the bits is whatever else a transform's output depends on. The check
-builds each pipeline (``augment.train`` and ``augment.eval``) **afresh from its config for
-each pass**, as every loader worker and every resume does, and calls it on several samples
-spread over the split (its classes, where the split knows its labels; positions, hence
-sizes and contents), each under :data:`KEYS` keys:
+The loop makes the global generators a function of the key and runs every call under one
+thread with the run's flags (:class:`KeyedPipeline`,
+:mod:`repro.components.data.sample_settings`), so what can still break the bits is whatever
+else a transform's output depends on. The check builds each pipeline (``augment.train`` and
+``augment.eval``) **afresh for each pass**, as every loader worker and every resume does,
+and calls it on several samples spread over the split (its positions, hence sizes and
+contents, and one sample of each class, where the split knows its labels: up to
+:data:`MAX_CLASSES`), each under :data:`KEYS` keys:
 
-- pass 1 in order; pass 2 on a new build, in the reverse order, with the clock
-  :data:`CLOCK_SHIFT` seconds later. Every (sample, key) must give the same bits in both;
-  where it does not, three more passes tell why and a composed pipeline's parts are tried
-  one by one to name the transform: a random state of its own made at construction (a new
-  build draws other numbers), state carried from call to call (a counter, a curriculum, a
-  cache: another order gives other outputs), or the clock;
+- pass 1 in order; pass 2 on a new build, in the reverse order, **as another process at
+  another time**: the clock :data:`CLOCK_SHIFT` seconds later and moving
+  :data:`CLOCK_STEP` seconds further at every read (a clock read in ``__init__`` or on every
+  call shows, whatever its period: a whole-second shift hid a quarter-second one), through
+  ``time`` (``time``, ``monotonic``, ``perf_counter``, ``gmtime``, ``localtime``,
+  ``strftime``...) and ``datetime``; and another process's identity
+  (:func:`another_process`: ``os.getpid``, the thread's id, a loader worker's
+  ``get_worker_info()``, the addresses ``id()`` and ``hash()`` read). Every (sample, key)
+  must give the same bits in both; where it does not, more passes tell why and a composed
+  pipeline's parts are tried one by one to name the transform: a random state of its own
+  made at construction (a new build draws other numbers), the clock, the process, or state
+  carried from call to call (a counter, a curriculum, a cache: another order gives other
+  outputs);
+- pass 1 runs under the one-thread rule, and the CPU time the process spends on *other*
+  threads meanwhile is measured: a transform whose work runs on a thread pool of its own
+  (OpenCV's, an OpenBLAS under NumPy), which the rule cannot reach, is named in a warning
+  and in the determinism report (:attr:`Checked.threaded`);
 - the inputs are compared with copies after the calls: a pipeline that writes into its
   input would change the stored images of an in-memory split (:class:`KeyedPipeline` hands
   a pipeline that does not declare itself keyed a copy, so only a keyed one can);
@@ -21,22 +34,26 @@ sizes and contents), each under :data:`KEYS` keys:
   ``data.image_size`` (the eval pipeline's only when it is not native), a mask of the
   image's size; a transform that raises is one line naming it and the sample.
 
-What it cannot prove is named in the determinism report (``not covered``): state that
-changes only after more calls than it makes, a draw that only inputs it did not see
-trigger, a clock read through a name bound before the check (``from time import time``).
+What it cannot prove is named in the determinism report (``not covered``, :data:`UNPROVEN`).
 """
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import datetime
 import logging
+import os
+import random
+import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+from torch.utils.data._utils import worker as _loader_worker
 
 from repro.base.errors import ConfigError, ReproError
 from repro.components.data.augment import (
@@ -48,18 +65,46 @@ from repro.components.data.augment import (
     _copy,
     _name,
 )
+from repro.components.data.sample_settings import SampleSettings
 
 log = logging.getLogger("repro")
 
 # samples checked per split: spread over its positions, plus the first of each class not
-# among them, at most MAX_SAMPLES in all; KEYS epochs each (a private coin closed for all of
-# SAMPLES x KEYS draws at p = 0.3: 0.7**24 = 2e-4)
+# among them (up to MAX_CLASSES classes in all); KEYS epochs each (a private coin closed for
+# all of 6 x 4 draws at p = 0.3: 0.7**24 = 2e-4)
 SAMPLES = 6
-MAX_SAMPLES = 12
+MAX_CLASSES = 100
 KEYS = 4
-# the clock of the second pass, this many seconds later: a prime of about 11.6 days (so that
-# any period of a day, an hour or a second, or a parity, sees another value)
-CLOCK_SHIFT = 1_000_003
+# the clock of the second pass: its first read this many seconds later (just under an even
+# number of seconds, 1_000_004, about 11.6 days: int(t * k) changes parity for every k up to
+# 999 -- a second, a half, a quarter, a millisecond -- and int(t) % m for every m up to the
+# prime 1_000_003: an hour, a day), and CLOCK_STEP further at each call of the pipeline
+# (the golden ratio's fraction: over a pass's calls the phases of any period spread over
+# the whole period)
+CLOCK_SHIFT = 1_000_004 - 1e-3
+CLOCK_STEP = 0.6180339887
+# how far the check's clock moves at each read (shifted_clock)
+READ_STEP = 1e-6
+# what another process reads as its pid (this much more: a prime, so any modulus below it
+# changes); an object's address it reads scrambled (scrambled_address): a constant shift
+# can be undone by the allocator's own, which puts pass 2's objects a few slots away
+PROCESS_SHIFT = 7919
+# a pipeline runs on threads of its own when the process's other threads spend at least this
+# many CPU seconds during pass 1, and at least THREADED_SHARE of the calling thread's
+THREADED_SECONDS = 0.02
+THREADED_SHARE = 0.25
+SETTLE = 0.3
+
+# what the check cannot prove: the determinism report's "not covered" entry
+UNPROVEN = (
+    "augmentation: state that changes only after more calls than the self-check makes (6 "
+    f"samples and one of each class, up to {MAX_CLASSES} classes, x {KEYS} keys, 2 builds, 2 "
+    "orders, 2 clocks, 2 processes), a draw only inputs it did not see trigger (a class "
+    "beyond the first {MAX_CLASSES}, a mask's content), a clock, process id or address "
+    "read through a name bound at import (from time import time), the size of a thread "
+    "pool of its own (named when the check sees it busy), and the CPU's flush-to-zero mode "
+    "(repro.components.data.pipeline_check)"
+).replace("{MAX_CLASSES}", str(MAX_CLASSES))
 
 
 # the shipped transforms that rescale whole images to data.image_size
@@ -76,9 +121,19 @@ class Checked:
     samples: int
     keys: int
     random: bool  # does the training pipeline give other outputs under other keys?
+    classes: tuple[int, int] | None = None  # (checked, in the split), where it has labels
+    threaded: list[str] = field(default_factory=list)  # 'augment.train: name (ms elsewhere)'
 
     def summary(self) -> str:
-        return f"{self.samples} samples x {self.keys} keys, 2 builds, 2 orders, 2 clocks: ok"
+        text = (
+            f"{self.samples} samples x {self.keys} keys, 2 builds, 2 orders, 2 clocks, "
+            "2 processes, 1 thread: ok"
+        )
+        if self.classes and self.classes[0] < self.classes[1]:
+            text += f" ({self.classes[0]} of {self.classes[1]} classes)"
+        if self.threaded:
+            text += "; on threads of its own: " + ", ".join(self.threaded)
+        return text
 
 
 def check_pipelines(
@@ -92,8 +147,8 @@ def check_pipelines(
     """Check both pipelines on samples of the ``train`` and ``val`` splits (see the module
     docstring); a failure is one line (:class:`ConfigError`) naming the key and transform."""
     train_samples, val_samples = spread(train), spread(val)
-    first, outputs = _consistent(make_train, train_samples, "train")
-    evaluation, eval_outputs = _consistent(make_eval, val_samples, "eval")
+    first, outputs, threaded = _consistent(make_train, train_samples, "train")
+    evaluation, eval_outputs, eval_threaded = _consistent(make_eval, val_samples, "eval")
     random = any(
         not _same(outputs[(i, 0)], outputs[(i, e)])
         for i, _, _ in train_samples
@@ -115,20 +170,23 @@ def check_pipelines(
             "inference.mode=native evaluates each at its own size: the model trains at another "
             "scale than it is scored at; augment=patches trains on patches at native scale."
         )
-    return Checked(len(train_samples), KEYS, random)
+    return Checked(
+        len(train_samples), KEYS, random, classes_checked(train, train_samples),
+        [t for t in (threaded, eval_threaded) if t],
+    )  # fmt: skip
 
 
 def spread(split: Any) -> list[Sample]:
-    """Up to :data:`SAMPLES` samples at evenly spread positions of ``split``, plus the first
-    sample of each class not among them (where the split holds its class labels as a
-    tensor), at most :data:`MAX_SAMPLES`; fetched once."""
+    """:data:`SAMPLES` samples at evenly spread positions of ``split``, plus the first sample
+    of each class not among them (where the split holds its class labels as a tensor), up to
+    :data:`MAX_CLASSES` classes in all; fetched once."""
     n = len(split)
     picked = sorted({round(j * (n - 1) / max(SAMPLES - 1, 1)) for j in range(min(SAMPLES, n))})
-    labels = getattr(split, "labels", None)
-    if isinstance(labels, torch.Tensor) and labels.dim() == 1 and len(labels) == n:
+    labels = _labels(split)
+    if labels is not None:
         seen = {int(labels[i]) for i in picked}
         for c in labels.unique().tolist():
-            if len(picked) >= MAX_SAMPLES:
+            if len(seen) >= MAX_CLASSES:
                 break
             if c not in seen:
                 picked.append(int((labels == c).nonzero()[0]))
@@ -136,6 +194,21 @@ def spread(split: Any) -> list[Sample]:
     index = torch.tensor(sorted(picked), dtype=torch.int64)
     images, targets = split.fetch(index)
     return [(int(i), images[k], targets[k]) for k, i in enumerate(index.tolist())]
+
+
+def _labels(split: Any) -> torch.Tensor | None:
+    labels = getattr(split, "labels", None)
+    if isinstance(labels, torch.Tensor) and labels.dim() == 1 and len(labels) == len(split):
+        return labels
+    return None
+
+
+def classes_checked(split: Any, samples: list[Sample]) -> tuple[int, int] | None:
+    """(classes among ``samples``, classes in ``split``), where the split knows its labels."""
+    labels = _labels(split)
+    if labels is None:
+        return None
+    return len({int(labels[i]) for i, _, _ in samples}), len(labels.unique())
 
 
 def refuse_foreign(pipeline: KeyedPipeline, which: str) -> None:
@@ -151,17 +224,21 @@ def refuse_foreign(pipeline: KeyedPipeline, which: str) -> None:
         )
 
 
+# the conditions of a pass: (clock shifted, as another process)
+HERE = (False, False)
+ELSEWHERE = (True, True)
+
+
 def _consistent(
     make: Make, samples: list[Sample], which: str
-) -> tuple[KeyedPipeline, dict[tuple[int, int], Any]]:
-    """A build and its outputs on ``samples`` (pass 1); refused, naming the transform and
-    why, when pass 2 (a new build, the reverse order, a later clock) differs, or when the
-    inputs changed."""
-    pipeline = make()
-    refuse_foreign(pipeline, which)
+) -> tuple[KeyedPipeline, dict[tuple[int, int], Any], str | None]:
+    """A build, its outputs on ``samples`` (pass 1) and, if its work ran on threads of its
+    own, what to call it; refused, naming the transform and why, when pass 2 (a new build,
+    the reverse order, another clock and process) differs, or when the inputs changed."""
     saved = [(image.clone(), _copy(target)) for _, image, target in samples]
-    ref = _outputs(pipeline, samples, which)
-    other = _outputs(make(), samples[::-1], which, reverse=True, shift=CLOCK_SHIFT)
+    with busy_elsewhere() as busy:
+        pipeline, ref = _pass(make, samples, which)
+    other = _pass(make, samples[::-1], which, reverse=True, where=ELSEWHERE)[1]
     for (index, image, target), before in zip(samples, saved, strict=True):
         if not _same((image, target), before):
             raise ConfigError(
@@ -172,27 +249,63 @@ def _consistent(
             )
     if any(not _same(ref[k], other[k]) for k in ref):
         raise ConfigError(_why(make, samples, which, ref))
-    return pipeline, ref
+    threaded = None
+    if busy.threaded() and busy_elsewhere_without(busy.wall) < busy.elsewhere / 2:
+        name = _threaded_part(make, samples, which) or pipeline.name
+        threaded = f"augment.{which}: {name} ({1000 * busy.elsewhere:.0f} ms)"
+        log.warning(
+            f"augment.{which}: {name} ran on threads of its own ({1000 * busy.elsewhere:.0f} "
+            f"ms of CPU beside {1000 * busy.own:.0f} ms on the calling thread), which the "
+            "one-thread rule of per-sample work cannot reach: its bits may follow that pool's "
+            "size, which can differ between machines, and between a loader worker and the "
+            "main process; pin it (cv2.setNumThreads(1); threadpoolctl for NumPy's BLAS) or "
+            "keep its reductions in torch or NumPy (docs/determinism.md#threads)."
+        )
+    return pipeline, ref, threaded
 
 
-def _outputs(
-    pipeline: KeyedPipeline,
+def _pass(
+    make: Make,
     samples: list[Sample],
     which: str,
     reverse: bool = False,
+    where: tuple[bool, bool] = HERE,
     keys: int = KEYS,
-    shift: int = 0,
-) -> dict[tuple[int, int], Any]:
-    with shifted_clock(shift):  # every pass on one clock: a second's tick is no cause
-        return _outputs_at(pipeline, samples, which, reverse, keys)
+) -> tuple[KeyedPipeline, dict[tuple[int, int], Any]]:
+    """A new build and its outputs on ``samples``, both under ``where``'s conditions: the
+    clock (every pass on one: a second's tick between passes is no cause) and, with
+    ``where[1]``, another process's identity."""
+    clock, process = where
+    with contextlib.ExitStack() as stack:
+        ticks = [
+            stack.enter_context(
+                shifted_clock(CLOCK_SHIFT, CLOCK_STEP) if clock else shifted_clock(0)
+            )
+        ]
+        if process:
+            ticks.append(stack.enter_context(another_process()))
+        pipeline = make()
+        refuse_foreign(pipeline, which)
+
+        def tick() -> None:
+            for t in ticks:
+                t()
+
+        return pipeline, _outputs_at(pipeline, samples, which, reverse, keys, tick)
 
 
 def _outputs_at(
-    pipeline: KeyedPipeline, samples: list[Sample], which: str, reverse: bool, keys: int
+    pipeline: KeyedPipeline,
+    samples: list[Sample],
+    which: str,
+    reverse: bool,
+    keys: int,
+    tick: Callable[[], None],
 ) -> dict[tuple[int, int], Any]:
     out = {}
     for index, image, target in samples:
         for epoch in range(keys - 1, -1, -1) if reverse else range(keys):
+            tick()
             # a transform that raises: one line naming it and the sample (KeyedPipeline)
             result = pipeline(image, target, epoch, index)
             if isinstance(result[0], torch.Tensor) and result[0].shape[0] != image.shape[0]:
@@ -225,12 +338,17 @@ def _why(make: Make, samples: list[Sample], which: str, ref: dict) -> str:
     if _differs(make, samples, ref, which):
         causes.append(
             "draws from a random state of its own (a np.random.default_rng() or random.Random "
-            "made at construction?), which a new build (each loader worker, each resume) "
-            "makes anew"
+            "made at construction?) or reads an object's address (id(), hash()), which a new "
+            "build (each loader worker, each resume) makes anew"
         )
     else:
-        if _differs(make, samples, ref, which, shift=CLOCK_SHIFT):
+        if _differs(make, samples, ref, which, where=(True, False)):
             causes.append("reads the clock")
+        if _differs(make, samples, ref, which, where=(False, True)):
+            causes.append(
+                "reads what differs between processes (os.getpid(), a thread id, "
+                "get_worker_info(), an object's id() or hash())"
+            )
         if _differs(make, samples[::-1], ref, which, reverse=True):
             causes.append(
                 "carries state from call to call (a counter, a curriculum, a cache, a "
@@ -251,79 +369,251 @@ def _differs(
     ref: dict,
     which: str,
     reverse: bool = False,
-    shift: int = 0,
+    where: tuple[bool, bool] = HERE,
 ) -> bool:
-    other = _outputs(make(), samples, which, reverse=reverse, shift=shift)
+    other = _pass(make, samples, which, reverse=reverse, where=where)[1]
     return any(not _same(ref[k], other[k]) for k in ref)
 
 
-def _culprit(make: Make, samples: list[Sample], which: str) -> str | None:
-    """The first transform of a composed pipeline (``.transforms``: torchvision's, ours,
-    albumentations') whose outputs differ between a build and the next (reverse order, later
-    clock), each run alone on what the ones before it gave."""
+def _parts(make: Make) -> list[Make] | None:
+    """One maker per part of a composed pipeline (``.transforms``: torchvision's, ours,
+    albumentations'), each building the part alone; None for a pipeline of one piece."""
     parts = getattr(make().pipeline, "transforms", None)
     if not isinstance(parts, list | tuple):
         return None
     seed = make().seed
-    for place in range(len(parts)):
 
-        def part(place: int = place) -> KeyedPipeline:
-            return KeyedPipeline(make().pipeline.transforms[place], seed)
+    def part(place: int) -> Make:
+        return lambda: KeyedPipeline(make().pipeline.transforms[place], seed)
 
+    return [part(place) for place in range(len(parts))]
+
+
+def _culprit(make: Make, samples: list[Sample], which: str) -> str | None:
+    """The first transform of a composed pipeline whose outputs differ between a build and
+    the next (reverse order, another clock and process), each run alone on what the ones
+    before it gave."""
+    for part in _parts(make) or []:
         try:
-            ref = _outputs(part(), samples, which)
-            other = _outputs(part(), samples[::-1], which, reverse=True, shift=CLOCK_SHIFT)
+            ref = _pass(part, samples, which)[1]
+            other = _pass(part, samples[::-1], which, reverse=True, where=ELSEWHERE)[1]
         except ReproError:  # a part that cannot run alone on this input: name the whole
             return None
         if any(not _same(ref[k], other[k]) for k in ref):
-            return _name(parts[place])
+            return part().name
         samples = [(i, *ref[(i, 0)]) for i, _, _ in samples]
     return None
 
 
+def _threaded_part(make: Make, samples: list[Sample], which: str) -> str | None:
+    """The first transform of a composed pipeline whose work runs on threads of its own,
+    each run alone on what the ones before it gave."""
+    for part in _parts(make) or []:
+        try:
+            with busy_elsewhere() as busy:
+                ref = _pass(part, samples, which)[1]
+        except ReproError:
+            return None
+        if busy.threaded():
+            return part().name
+        samples = [(i, *ref[(i, 0)]) for i, _, _ in samples]
+    return None
+
+
+class _Busy:
+    """CPU seconds of the calling thread and of the process's other threads over a block."""
+
+    own = elsewhere = wall = 0.0
+
+    def threaded(self) -> bool:
+        return self.elsewhere >= max(THREADED_SECONDS, THREADED_SHARE * self.own)
+
+
 @contextlib.contextmanager
-def shifted_clock(seconds: int) -> Iterator[None]:
-    """Inside: ``time.time``/``monotonic``/``perf_counter`` (and their ``_ns``) and
-    ``datetime.datetime.now``/``utcnow``/``today``, as a transform reaches them through
-    their modules, ``seconds`` later. The wall clock starts each time at the same whole
-    second (:data:`_EPOCH`, plus ``seconds``) and runs from there: passes begun at other
-    moments read one clock, so a second ticking between them is not taken for a cause."""
+def busy_elsewhere() -> Iterator[_Busy]:
+    """Inside: the block; afterwards the yielded record holds the CPU time this thread spent
+    on it (``own``), the time the process's other threads spent meanwhile (``elsewhere``:
+    the process's CPU clock less this thread's) and the wall time."""
+    busy = _Busy()
+    start = (_REAL_PROCESS_TIME(), _REAL_THREAD_TIME(), _REAL_PERF())
+    try:
+        yield busy
+    finally:
+        process, thread = _REAL_PROCESS_TIME() - start[0], _REAL_THREAD_TIME() - start[1]
+        busy.own, busy.elsewhere = thread, max(0.0, process - thread)
+        busy.wall = _REAL_PERF() - start[2]
+
+
+def busy_elsewhere_without(seconds: float) -> float:
+    """The CPU time the process's other threads spend while this one waits ``seconds`` (at
+    most a second), after :data:`SETTLE` seconds for a pool the pipeline used to go idle
+    (OpenBLAS's threads spin about 0.1 s after a call): what they do anyway (an OpenMP pool
+    told to spin, a logging thread)."""
+    time.sleep(SETTLE)
+    with busy_elsewhere() as busy:
+        time.sleep(min(seconds, 1.0))
+    return busy.elsewhere
+
+
+# the real clocks, for measuring: the check's passes move time's own
+_REAL_PROCESS_TIME, _REAL_THREAD_TIME, _REAL_PERF = (
+    time.process_time,
+    time.thread_time,
+    time.perf_counter,
+)
+
+
+@contextlib.contextmanager
+def shifted_clock(seconds: float, step: float = 0.0) -> Iterator[Callable[[], None]]:
+    """Inside: a clock that stands still but for what reads it, as a transform reads it
+    through the ``time`` and ``datetime`` modules -- ``time.time``/``monotonic``/
+    ``perf_counter`` (and their ``_ns``), ``clock_gettime``, ``gmtime``/``localtime``/
+    ``ctime``/``asctime``/``strftime`` without a time given, ``datetime.datetime.now``/
+    ``utcnow``/``today``, ``datetime.date.today``: the wall clock at the whole second
+    :data:`_EPOCH` plus ``seconds`` (the others at where they were, plus ``seconds``), one
+    :data:`READ_STEP` further at each read (a loop waiting for time to pass still ends), and
+    ``step`` further at each call of the yielded ``tick`` (the check calls it before each
+    call of the pipeline: a clock read on every call sees its period's phases, one read at
+    construction the shift alone). So a pass's clock is a function of its reads and calls,
+    not of when it ran or how long it took: a second ticking between passes, or a slow call,
+    is never taken for a cause."""
     names = ("time", "monotonic", "perf_counter")
-    real = {n: getattr(time, n) for n in names} | {
-        f"{n}_ns": getattr(time, f"{n}_ns") for n in names
-    }
-    real_datetime = datetime.datetime
-    wall = _EPOCH + seconds - real["time"]()  # what the wall clock is moved by
-    delta = datetime.timedelta(seconds=wall)
+    start = {n: getattr(time, n)() for n in names}
+    start["time"] = _EPOCH
+    calendar = {n: getattr(time, n) for n in ("gmtime", "localtime", "ctime", "asctime")}
+    real_strftime = time.strftime
+    real_clock_gettime = getattr(time, "clock_gettime", None)
+    real_clock_gettime_ns = getattr(time, "clock_gettime_ns", None)
+    real_datetime, real_date = datetime.datetime, datetime.date
+    counts = {"ticks": 0, "reads": 0}
+
+    def tick() -> None:
+        counts["ticks"] += 1
+
+    def now(name: str = "time") -> float:
+        counts["reads"] += 1
+        return start[name] + seconds + counts["ticks"] * step + counts["reads"] * READ_STEP
+
+    def clock_gettime(clock: int) -> float:
+        if clock in (time.CLOCK_PROCESS_CPUTIME_ID, time.CLOCK_THREAD_CPUTIME_ID):
+            return real_clock_gettime(clock)
+        return now("time" if clock == time.CLOCK_REALTIME else "monotonic")
 
     class Later(real_datetime):
         @classmethod
         def now(cls, tz=None):  # noqa: ANN001, ANN206
-            return real_datetime.now(tz) + delta
+            return real_datetime.fromtimestamp(now(), tz)
 
         @classmethod
         def utcnow(cls):  # noqa: ANN206
-            return real_datetime.utcnow() + delta
+            return real_datetime.fromtimestamp(now(), datetime.UTC).replace(tzinfo=None)
 
         @classmethod
         def today(cls):  # noqa: ANN206
-            return real_datetime.today() + delta
+            return real_datetime.fromtimestamp(now())
 
-    for n, f in real.items():
-        shift = wall if n.startswith("time") else seconds
-        shift = int(shift * 1_000_000_000) if n.endswith("_ns") else shift
-        setattr(time, n, lambda f=f, shift=shift: f() + shift)
-    datetime.datetime = Later
+    class LaterDate(real_date):
+        @classmethod
+        def today(cls):  # noqa: ANN206
+            return real_date.fromtimestamp(now())
+
+    patched: dict[str, Callable] = {}
+    for n in names:
+        patched[n] = lambda n=n: now(n)
+        patched[f"{n}_ns"] = lambda n=n: int(now(n) * 1_000_000_000)
+    patched |= {
+        "gmtime": lambda secs=None: calendar["gmtime"](now() if secs is None else secs),
+        "localtime": lambda secs=None: calendar["localtime"](now() if secs is None else secs),
+        "ctime": lambda secs=None: calendar["ctime"](now() if secs is None else secs),
+        "asctime": lambda t=None: calendar["asctime"](
+            calendar["localtime"](now()) if t is None else t
+        ),
+        "strftime": lambda fmt, t=None: real_strftime(
+            fmt, calendar["localtime"](now()) if t is None else t
+        ),
+    }
+    if real_clock_gettime is not None:  # Unix
+        patched["clock_gettime"] = clock_gettime
+        patched["clock_gettime_ns"] = lambda clock: (
+            real_clock_gettime_ns(clock)
+            if clock in (time.CLOCK_PROCESS_CPUTIME_ID, time.CLOCK_THREAD_CPUTIME_ID)
+            else int(clock_gettime(clock) * 1_000_000_000)
+        )
+    originals = {n: getattr(time, n) for n in patched}
+    for n, f in patched.items():
+        setattr(time, n, f)
+    datetime.datetime, datetime.date = Later, LaterDate
     try:
-        yield
+        yield tick
     finally:
-        for n, f in real.items():
+        for n, f in originals.items():
             setattr(time, n, f)
-        datetime.datetime = real_datetime
+        datetime.datetime, datetime.date = real_datetime, real_date
 
 
 # the whole second every pass's wall clock starts at (shifted_clock)
 _EPOCH = float(int(time.time()))
+
+
+def scrambled_address(address: int, salt: int = 0) -> int:
+    """Another process's address for the object at ``address``: a bijection of 47-bit
+    addresses for each ``salt`` (an xor and an odd multiplier), so one object keeps one
+    address and two keep two, while its parity, slot number and any modulus differ from
+    this process's."""
+    return ((address ^ 0x5DEECE66D ^ (salt * 0x2545F491)) * 0x9E3779B97F4B) % (1 << 47)
+
+
+@contextlib.contextmanager
+def another_process() -> Iterator[Callable[[], None]]:
+    """Inside: what a transform can read of the process it runs in, as another process reads
+    it -- ``os.getpid``/``getppid`` and ``threading.get_native_id`` :data:`PROCESS_SHIFT`
+    further; every address ``id()`` gives, and the ``hash()`` of an object hashed by
+    identity, scrambled (:func:`scrambled_address`), anew at each call of the yielded
+    ``tick`` (the check calls it before each call of the pipeline: the allocator gives a
+    call's copy of its input the same address every time, so one scramble would be one
+    coin); ``torch.utils.data.get_worker_info()`` a loader worker's (number 1 of 2).
+    Afterwards all of it back, and the global RNG states, thread count and flags as they
+    were (in a loader worker the pipeline leaves them as it set them).
+    ``threading.get_ident`` is left alone: ``threading.current_thread()`` looks the thread
+    up by it."""
+    real_id, real_hash = builtins.id, builtins.hash
+    calls = [0]
+
+    def tick() -> None:
+        calls[0] += 1
+
+    def scrambled_hash(o: Any) -> int:
+        if type(o).__hash__ is object.__hash__:  # hashed by identity: by its address
+            return scrambled_address(real_hash(o), calls[0])
+        return real_hash(o)
+
+    patched: list[tuple[Any, str, Any]] = [
+        (os, "getpid", lambda f=os.getpid: f() + PROCESS_SHIFT),
+        (os, "getppid", lambda f=os.getppid: f() + PROCESS_SHIFT),
+        (threading, "get_native_id", lambda f=threading.get_native_id: f() + PROCESS_SHIFT),
+        (builtins, "id", lambda o: scrambled_address(real_id(o), calls[0])),
+        (builtins, "hash", scrambled_hash),
+    ]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patched]
+    states = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+    settings, threads = SampleSettings.here(), torch.get_num_threads()
+    info = _loader_worker._worker_info
+    try:
+        for owner, name, f in patched:
+            setattr(owner, name, f)
+        _loader_worker._worker_info = _loader_worker.WorkerInfo(
+            id=1, num_workers=2, seed=PROCESS_SHIFT, dataset=None
+        )
+        yield tick
+    finally:
+        _loader_worker._worker_info = info
+        for owner, name, f in originals:
+            setattr(owner, name, f)
+        torch.set_rng_state(states[0])
+        np.random.set_state(states[1])
+        random.setstate(states[2])
+        settings.apply()
+        torch.set_num_threads(threads)
 
 
 def _shapes(
