@@ -114,6 +114,15 @@ def main() -> None:
     p.add_argument("--tile-batch", type=int, nargs="+", default=[4], help="tile batches timed")
     p.add_argument("--window-only", action="store_true", help="only part 3, the sliding window")
     p.add_argument("--sides", type=int, nargs="+", default=[512, 1024], help="image sides timed")
+    p.add_argument(
+        "--folder-sides",
+        type=int,
+        nargs=2,
+        default=[150, 260],
+        help="the generated images' sides: at least data.image_size for whole patches",
+    )
+    p.add_argument("--bits-only", action="store_true", help="only part 2, the bits")
+    p.add_argument("--no-window", action="store_true", help="leave out part 3")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks")
     p.add_argument("overrides", nargs="*", help="added to every training run (e.g. amp=off)")
     args = p.parse_args()
@@ -144,9 +153,9 @@ def main() -> None:
         return
     work = Path(tempfile.mkdtemp(prefix="native-bench-"))
     folder = work / "nuclei"
-    write_nuclei_folder(folder, count=args.images, seed=0)
+    write_nuclei_folder(folder, count=args.images, seed=0, sizes=tuple(args.folder_sides))
     pairs = []
-    for r in range(args.repeats):
+    for r in range(0 if args.bits_only else args.repeats):
         strict = train(
             work / f"strict-{r}", folder, args.steps, "determinism=strict", *args.overrides
         )
@@ -169,26 +178,33 @@ def main() -> None:
             ).hexdigest(),
             "predict_sha256": predict_digest(run, folder, work / f"pred-{name}"),
             "val_dice": summary.get("val_dice"),
+            "images_per_second": summary.get("steady_images_per_second"),
         }
-    identical = (
-        len({json.dumps({k: v for k, v in b.items()}, sort_keys=True) for b in bits.values()}) == 1
-    )
-    speed = [row for tb in args.tile_batch for row in window_speed(tb, args.sides, args.repeats)]
-    ratios = [x["ratio"] for x in pairs]
+    identical = (  # the speed aside
+        len({json.dumps({k: v for k, v in b.items() if k != "images_per_second"}, sort_keys=True)
+             for b in bits.values()}) == 1
+    )  # fmt: skip
+    speed = [] if args.no_window or args.bits_only else [
+        row for tb in args.tile_batch for row in window_speed(tb, args.sides, args.repeats)
+    ]  # fmt: skip
+    ratios = [x["ratio"] for x in pairs] or [float("nan")]
     lines = [
         f"# Native-resolution segmentation ({today()})", "",
         f"- where: {environment_line(env)}", f"- command: `{command_line()}`",
-        f"- data: {args.images} generated non-square 12-bit images (150-260 px, 16-bit PNG), "
-        "3 classes; `experiment=segmentation_native` (128² patches, sliding-window validation)", "",
+        f"- data: {args.images} generated non-square 12-bit images ({args.folder_sides[0]}-"
+        f"{args.folder_sides[1]} px, 16-bit PNG), 3 classes; `experiment=segmentation_native` "
+        "(sliding-window validation), with the overrides in the command", "",
         "## strict / fast (steady img/s of training)", "",
         "| repeat | strict | fast | strict / fast | loader wait (strict, fast) |", "|---|---|---|---|---|",
         *(f"| {i} | {x['strict']:.0f} | {x['fast']:.0f} | {x['ratio']:.3f} | "
           f"{x['waits'][0]:.3f}, {x['waits'][1]:.3f} |" for i, x in enumerate(pairs)),
         "", f"median ratio **{statistics.median(ratios):.3f}** (min {min(ratios):.3f}, max {max(ratios):.3f})", "",
         "## the same bits across loaders and repeats", "",
-        "| run | weights | val_per_image.csv | predict (all masks) | val_dice |", "|---|---|---|---|---|",
+        "| run | weights | val_per_image.csv | predict (all masks) | val_dice | img/s |",
+        "|---|---|---|---|---|---|",
         *(f"| {k} | `{v['weights_sha256'][:16]}` | `{v['val_per_image_sha256'][:16]}` | "
-          f"`{v['predict_sha256'][:16]}` | {v['val_dice']:.4f} |" for k, v in bits.items()),
+          f"`{v['predict_sha256'][:16]}` | {v['val_dice']:.4f} | {v['images_per_second'] or 0:.0f} |"
+          for k, v in bits.items()),
         "", f"identical: **{identical}**", "",
         "## sliding window vs a whole-image forward (strict flags, the preset's precision, tile 128², overlap 0.5)", "",
         "| side | tile_batch | whole img/s | sliding img/s | sliding / whole |", "|---|---|---|---|---|",
