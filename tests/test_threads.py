@@ -162,6 +162,30 @@ def test_torchvisions_color_jitter_gives_a_workers_bits_in_the_main_process():
     assert all(torch.equal(a, b) for a, b in zip(main, workers, strict=True))
 
 
+@pytest.mark.parametrize(
+    "preset",
+    ["torchvision", "torchvision_segmentation", "albumentations_segmentation"],
+)
+def test_the_library_presets_give_a_workers_bits_in_the_main_process_at_256_px(preset):
+    """The shipped presets of torchvision's and albumentations' transforms, built as a run
+    builds them, on the embedded data at 256 px: the main process (2 threads) and 2 loader
+    workers fetch the same bytes."""
+    require(preset.split("_")[0], f"make add PKG={preset.split('_')[0]}")
+    from repro.defense.config import compose
+    from repro.engine.build import build_data
+
+    data = ["data=synthetic_shapes"] if preset.endswith("segmentation") else []
+    cfg = compose(
+        [*data, f"augment={preset}", "data.image_size=256", "data.train_size=32",
+         "data.val_size=8", "trainer.batch_size=8", "trainer.micro_batch_size=4"],
+        CONF_DIR,
+    )  # fmt: skip
+    torch.set_num_threads(2)
+    built = build_data(cfg)
+    main, workers = batches(built, 0), batches(built, 2)
+    assert all(torch.equal(a, b) for a, b in zip(main, workers, strict=True))
+
+
 def test_what_a_transform_reads_of_its_process_is_the_same_in_every_loader():
     """The main process with 2 threads, strict flags and CPU autocast on around the fetch; a
     worker forked from it; a worker spawned afresh (PyTorch's defaults: no deterministic

@@ -632,15 +632,15 @@ class KeyedPipeline:
             return image, target
         key = (self.seed, int(epoch), int(index))
         try:
-            if self.own_keys:
-                with self.settings.pinned():
+            with self.settings.pinned():
+                if self.own_keys:
                     out = _call(self.pipeline, image, target, key)
-            else:
-                # its own copy: a transform that writes into its input (a Cutout) would
-                # otherwise change an in-memory split's stored image for every later epoch
-                image, target = image.clone(), _copy(target)
-                with self.settings.pinned(), keyed_global_state(*key):
-                    out = _call(self.pipeline, image, target, key)
+                else:
+                    # its own copy: a transform that writes into its input (a Cutout) would
+                    # otherwise change an in-memory split's stored image for every later epoch
+                    image, target = image.clone(), _copy(target)
+                    with keyed_global_state(*key):
+                        out = _call(self.pipeline, image, target, key)
         except ReproError:
             raise
         except Exception as err:  # in a loader worker too: the message and the sample kept

@@ -11,12 +11,12 @@ contents, and one sample of each class, where the split knows its labels: up to
 :data:`MAX_CLASSES`), each under :data:`KEYS` keys:
 
 - pass 1 in order; pass 2 on a new build, in the reverse order, **as another process at
-  another time**: the clock :data:`CLOCK_SHIFT` seconds later and moving
-  :data:`CLOCK_STEP` seconds further at every read (a clock read in ``__init__`` or on every
-  call shows, whatever its period: a whole-second shift hid a quarter-second one), through
-  ``time`` (``time``, ``monotonic``, ``perf_counter``, ``gmtime``, ``localtime``,
-  ``strftime``...) and ``datetime``; and another process's identity
-  (:func:`another_process`: ``os.getpid``, the thread's id, a loader worker's
+  another time**: the clock :data:`CLOCK_SHIFT` seconds later and :data:`CLOCK_STEP`
+  seconds further at each call (:func:`shifted_clock`: a clock read in ``__init__`` or on
+  every call shows, whatever its period; a whole-second shift hid a quarter-second one),
+  read through ``time`` (``time``, ``monotonic``, ``perf_counter``, ``gmtime``,
+  ``localtime``, ``strftime``...) or ``datetime``; and another process's identity
+  (:func:`another_process`: ``os.getpid``, the native thread id, a loader worker's
   ``get_worker_info()``, the addresses ``id()`` and ``hash()`` read). Every (sample, key)
   must give the same bits in both; where it does not, more passes tell why and a composed
   pipeline's parts are tried one by one to name the transform: a random state of its own
@@ -65,7 +65,7 @@ from repro.components.data.augment import (
     _copy,
     _name,
 )
-from repro.components.data.sample_settings import SampleSettings
+from repro.components.data.sample_settings import SampleSettings, pinned_here
 
 log = logging.getLogger("repro")
 
@@ -93,18 +93,19 @@ PROCESS_SHIFT = 7919
 # many CPU seconds during pass 1, and at least THREADED_SHARE of the calling thread's
 THREADED_SECONDS = 0.02
 THREADED_SHARE = 0.25
+# before the idle window that tells a pool's own work from what other threads do anyway
 SETTLE = 0.3
 
 # what the check cannot prove: the determinism report's "not covered" entry
 UNPROVEN = (
-    "augmentation: state that changes only after more calls than the self-check makes (6 "
-    f"samples and one of each class, up to {MAX_CLASSES} classes, x {KEYS} keys, 2 builds, 2 "
-    "orders, 2 clocks, 2 processes), a draw only inputs it did not see trigger (a class "
-    "beyond the first {MAX_CLASSES}, a mask's content), a clock, process id or address "
-    "read through a name bound at import (from time import time), the size of a thread "
-    "pool of its own (named when the check sees it busy), and the CPU's flush-to-zero mode "
-    "(repro.components.data.pipeline_check)"
-).replace("{MAX_CLASSES}", str(MAX_CLASSES))
+    f"augmentation: state that changes only after more calls than the self-check makes "
+    f"({SAMPLES} samples and one of each class, up to {MAX_CLASSES} classes, x {KEYS} keys, "
+    f"2 builds, 2 orders, 2 clocks, 2 processes), a draw only inputs it did not see trigger "
+    f"(a class beyond the first {MAX_CLASSES}, a mask's content), a clock, process id or "
+    f"address read through a name bound at import (from time import time), the size of a "
+    f"thread pool of its own (named when the check sees it busy), and the CPU's "
+    f"flush-to-zero mode (repro.components.data.pipeline_check)"
+)
 
 
 # the shipped transforms that rescale whole images to data.image_size
@@ -192,7 +193,8 @@ def spread(split: Any) -> list[Sample]:
                 picked.append(int((labels == c).nonzero()[0]))
                 seen.add(c)
     index = torch.tensor(sorted(picked), dtype=torch.int64)
-    images, targets = split.fetch(index)
+    with pinned_here():  # read as a loader worker reads them
+        images, targets = split.fetch(index)
     return [(int(i), images[k], targets[k]) for k, i in enumerate(index.tolist())]
 
 
@@ -258,8 +260,9 @@ def _consistent(
             f"ms of CPU beside {1000 * busy.own:.0f} ms on the calling thread), which the "
             "one-thread rule of per-sample work cannot reach: its bits may follow that pool's "
             "size, which can differ between machines, and between a loader worker and the "
-            "main process; pin it (cv2.setNumThreads(1); threadpoolctl for NumPy's BLAS) or "
-            "keep its reductions in torch or NumPy (docs/determinism.md#threads)."
+            "main process; pin that pool (cv2.setNumThreads(0); threadpoolctl for NumPy's "
+            "BLAS) or keep the work in torch, which runs on one thread here, or in NumPy's "
+            "element-wise functions and reductions (docs/determinism.md#threads)."
         )
     return pipeline, ref, threaded
 
