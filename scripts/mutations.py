@@ -262,6 +262,39 @@ MUTATIONS = [
         "if False:",
         ["tests/test_native.py::test_a_squashed_model_is_scored_against_each_native_mask"],
     ),
+    Mutation(
+        "threads-unpinned",
+        "per-sample work left on the main process's threads (the one-thread rule a no-op)",
+        "src/repro/components/data/sample_settings.py",
+        "        if torch.get_num_threads() != SAMPLE_THREADS:\n",
+        "        if False:\n",
+        [
+            "tests/test_threads.py::test_a_users_reduction_gives_a_workers_bits_in_the_main_process",
+            "tests/test_threads.py::test_what_a_transform_reads_of_its_process_is_the_same_in_every_loader",
+        ],
+    ),
+    Mutation(
+        "mean-threaded",
+        "the augmentations' mean taken by torch (split across the intra-op threads)",
+        "src/repro/components/data/augment.py",
+        "return float(np.mean(x.numpy(force=True), dtype=np.float64))",
+        "return float(x.mean())",
+        [
+            "tests/test_threads.py::test_each_shipped_transform_gives_one_result_under_one_and_two_threads[SegmentationAugment]",
+            "tests/test_threads.py::test_each_shipped_transform_gives_one_result_under_one_and_two_threads[RandomPatch]",
+        ],
+    ),
+    Mutation(
+        "check-one-process",
+        "the check's second pass run in this process's identity (pid, worker info, addresses)",
+        "src/repro/components/data/pipeline_check.py",
+        "ELSEWHERE = (True, True)",
+        "ELSEWHERE = (True, False)",
+        [
+            "tests/test_pipeline_check.py::test_what_differs_between_processes_is_refused[ReadsTheProcessId]",
+            "tests/test_pipeline_check.py::test_what_differs_between_processes_is_refused[ReadsTheWorkerId]",
+        ],
+    ),
 ]
 
 
