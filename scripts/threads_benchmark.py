@@ -98,6 +98,28 @@ def fetch_rate(overrides: list[str], batches: int, batch: int, pinned: bool) -> 
         sample_settings.SampleSettings.pinned = real
 
 
+def entry_cost(repeats: int, calls: int = 20000) -> dict[str, list[float]]:
+    """Microseconds to enter and leave :meth:`SampleSettings.pinned` with nothing inside: in
+    the main process with the run's threads (2: set to 1 and back), and with one thread
+    already (as in a loader worker, where nothing changes)."""
+    import torch
+
+    from repro.components.data import SampleSettings
+
+    settings, out = SampleSettings.here(), {}
+    for threads in (2, 1):
+        torch.set_num_threads(threads)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(calls):
+                with settings.pinned():
+                    pass
+            times.append((time.perf_counter() - start) / calls * 1e6)
+        out[f"{threads} thread{'s' * (threads > 1)} before"] = times
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -132,6 +154,8 @@ def main() -> None:
         rows.append({"case": name, **rates, "ratios": ratios})
         print(name, {k: [round(x, 2) for x in v] for k, v in rates.items()}, flush=True)
 
+    entry = entry_cost(args.repeats)
+
     def cell(values: list[float]) -> str:
         return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
 
@@ -148,8 +172,11 @@ def main() -> None:
         "|---|---|---|---|",
         *(f"| {r['case']} | {cell(r['pinned'])} | {cell(r['unpinned'])} | "
           f"{cell(r['ratios'])} |" for r in rows),
+        "", "Entering and leaving the pin with nothing inside, µs a call (20,000 calls, "
+        f"median (min–max) of {args.repeats}):", "",
+        *(f"- {name}: {cell(times)}" for name, times in entry.items()),
     ]  # fmt: skip
-    record = {"environment": env, "command": command_line(), "rows": rows}
+    record = {"environment": env, "command": command_line(), "rows": rows, "entry_us": entry}
     write_results(args.out, "threads", today(), env, "\n".join(lines) + "\n", record)
 
 

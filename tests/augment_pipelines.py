@@ -114,17 +114,16 @@ class ReadsTheClock(DrawsFromEverything):
 
 
 class Raises(DrawsFromEverything):
-    """Fails on some inputs (``in_worker``: only in a loader worker's process, past the
-    check, which plays a worker's get_worker_info() but not its parent process)."""
+    """Fails on some inputs (``in_worker``: only in the worker of a one-worker loader, past
+    the check, whose second pass plays worker 1 of 2)."""
 
     def __init__(self, size: int, in_worker: bool = False) -> None:
         super().__init__(size)
         self.in_worker = in_worker
 
     def __call__(self, image, target):
-        import multiprocessing
-
-        if not self.in_worker or multiprocessing.parent_process() is not None:
+        info = torch.utils.data.get_worker_info()
+        if not self.in_worker or (info is not None and info.num_workers == 1):
             raise ValueError(f"cannot cut a {tuple(image.shape)} image")
         return resize_image(image, (self.size, self.size)), target
 
@@ -181,21 +180,39 @@ class ReadsTheCalendar(DrawsFromEverything):
 
 
 class ReadsTheProcessId(DrawsFromEverything):
-    """Shifts by ``os.getpid()``: another in each loader worker."""
+    """Seeds its noise with ``os.getpid()``: another in each loader worker."""
 
     def __call__(self, image, target):
         import os
 
         image = resize_image(image, (self.size, self.size))
-        return image.roll(os.getpid() % 5, dims=-1), target
+        g = torch.Generator().manual_seed(os.getpid())
+        return image.add(torch.randint(0, 16, image.shape, generator=g).to(image.dtype)), target
 
 
 class ReadsAnAddress(DrawsFromEverything):
-    """Shifts by ``id()`` of its input: where the allocator put it."""
+    """Seeds its noise with ``id()`` of its input: where the allocator put it."""
 
     def __call__(self, image, target):
         image = resize_image(image, (self.size, self.size))
-        return image.roll((id(image) >> 4) % 5, dims=-1), target
+        noise = torch.randint(
+            0, 16, image.shape, generator=torch.Generator().manual_seed(id(image))
+        )
+        return image.add(noise.to(image.dtype)), target
+
+
+class KeysByTensor(DrawsFromEverything):
+    """Looks a factor up in a dict keyed by a tensor made at construction (a tensor hashes by
+    identity): deterministic, and must pass."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.key = torch.tensor([1.0])
+        self.table = {self.key: 2}
+
+    def __call__(self, image, target):
+        image = resize_image(image, (self.size, self.size))
+        return image.flip(-1) if self.table[self.key] == 2 else image, target
 
 
 class ReadsTheWorkerId(DrawsFromEverything):

@@ -464,7 +464,7 @@ def _replayed(
     tallies = [_Tally(describe(t), scale) for t in steps]
     for (image, target), (out, out_target), index in zip(raw, augmented, indices, strict=True):
         key = (pipeline.seed, int(epoch), int(index))
-        with _key_states(pipeline, key):
+        with pipeline.settings.pinned(), _key_states(pipeline, key):  # as training calls it
             generator = torch.Generator().manual_seed(
                 derive_seed(pipeline.seed, "augment-generator", epoch, index)
             )  # the one KeyedPipeline gives a pipeline that takes a generator

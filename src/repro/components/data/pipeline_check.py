@@ -10,19 +10,19 @@ and calls it on several samples spread over the split (its positions, hence size
 contents, and one sample of each class, where the split knows its labels: up to
 :data:`MAX_CLASSES`), each under :data:`KEYS` keys:
 
-- pass 1 in order; pass 2 on a new build, in the reverse order, **as another process at
-  another time**: the clock :data:`CLOCK_SHIFT` seconds later and :data:`CLOCK_STEP`
-  seconds further at each call (:func:`shifted_clock`: a clock read in ``__init__`` or on
-  every call shows, whatever its period; a whole-second shift hid a quarter-second one),
-  read through ``time`` (``time``, ``monotonic``, ``perf_counter``, ``gmtime``,
-  ``localtime``, ``strftime``...) or ``datetime``; and another process's identity
-  (:func:`another_process`: ``os.getpid``, the native thread id, a loader worker's
-  ``get_worker_info()``, the addresses ``id()`` and ``hash()`` read). Every (sample, key)
-  must give the same bits in both; where it does not, more passes tell why and a composed
-  pipeline's parts are tried one by one to name the transform: a random state of its own
-  made at construction (a new build draws other numbers), the clock, the process, or state
-  carried from call to call (a counter, a curriculum, a cache: another order gives other
-  outputs);
+- pass 1 in order, in this process; pass 2 on a new build, in the reverse order, **in
+  another process at another time**: forked, as a loader worker is, with a worker's
+  ``get_worker_info()`` and one thread (:func:`_as_a_worker`: its pid and its objects'
+  addresses are its own), and the clock :data:`CLOCK_SHIFT` seconds later and
+  :data:`CLOCK_STEP` seconds further at each call (:func:`shifted_clock`: a clock read in
+  ``__init__`` or on every call shows, whatever its period; a whole-second shift hid a
+  quarter-second one), read through ``time`` (``time``, ``monotonic``, ``perf_counter``,
+  ``gmtime``, ``localtime``, ``strftime``...) or ``datetime``. Every (sample, key) must give
+  the same bits in both; where it does not, more passes tell why and a composed pipeline's
+  parts are tried one by one to name the transform: a random state of its own made at
+  construction (a new build draws other numbers), the clock, the process (its pid, the
+  worker's number, an address), or state carried from call to call (a counter, a
+  curriculum, a cache: another order gives other outputs);
 - pass 1 runs under the one-thread rule, and the CPU time the process spends on *other*
   threads meanwhile is measured: a transform whose work runs on a thread pool of its own
   (OpenCV's, an OpenBLAS under NumPy), which the rule cannot reach, is named in a warning
@@ -39,19 +39,17 @@ What it cannot prove is named in the determinism report (``not covered``, :data:
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import datetime
+import io
 import logging
-import os
-import random
-import threading
+import multiprocessing
+import pickle
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data._utils import worker as _loader_worker
 
@@ -64,8 +62,9 @@ from repro.components.data.augment import (
     SegmentationAugment,
     _copy,
     _name,
+    one_line,
 )
-from repro.components.data.sample_settings import SampleSettings, pinned_here
+from repro.components.data.sample_settings import pinned_here
 
 log = logging.getLogger("repro")
 
@@ -85,10 +84,8 @@ CLOCK_SHIFT = 1_000_004 - 1e-3
 CLOCK_STEP = 0.6180339887
 # how far the check's clock moves at each read (shifted_clock)
 READ_STEP = 1e-6
-# what another process reads as its pid (this much more: a prime, so any modulus below it
-# changes); an object's address it reads scrambled (scrambled_address): a constant shift
-# can be undone by the allocator's own, which puts pass 2's objects a few slots away
-PROCESS_SHIFT = 7919
+# the seed get_worker_info() gives in the second pass (a worker's base seed + its number)
+PROCESS_SEED = 7919
 # a pipeline runs on threads of its own when the process's other threads spend at least this
 # many CPU seconds during pass 1, and at least THREADED_SHARE of the calling thread's
 THREADED_SECONDS = 0.02
@@ -101,10 +98,11 @@ UNPROVEN = (
     f"augmentation: state that changes only after more calls than the self-check makes "
     f"({SAMPLES} samples and one of each class, up to {MAX_CLASSES} classes, x {KEYS} keys, "
     f"2 builds, 2 orders, 2 clocks, 2 processes), a draw only inputs it did not see trigger "
-    f"(a class beyond the first {MAX_CLASSES}, a mask's content), a clock, process id or "
-    f"address read through a name bound at import (from time import time), the size of a "
-    f"thread pool of its own (named when the check sees it busy), and the CPU's "
-    f"flush-to-zero mode (repro.components.data.pipeline_check)"
+    f"(a class beyond the first {MAX_CLASSES}, a mask's content), a clock read through a "
+    f"name bound at import (from time import time), the size of a thread pool of its own "
+    f"(named when the check sees it busy), the CPU's flush-to-zero mode, and, where there "
+    f"is no fork (Windows), what differs between processes "
+    f"(repro.components.data.pipeline_check)"
 )
 
 
@@ -128,7 +126,7 @@ class Checked:
     def summary(self) -> str:
         text = (
             f"{self.samples} samples x {self.keys} keys, 2 builds, 2 orders, 2 clocks, "
-            "2 processes, 1 thread: ok"
+            f"{2 if CAN_FORK else 1} processes, 1 thread: ok"
         )
         if self.classes and self.classes[0] < self.classes[1]:
             text += f" ({self.classes[0]} of {self.classes[1]} classes)"
@@ -226,9 +224,12 @@ def refuse_foreign(pipeline: KeyedPipeline, which: str) -> None:
         )
 
 
-# the conditions of a pass: (clock shifted, as another process)
+# the conditions of a pass: (clock shifted, in another process)
 HERE = (False, False)
 ELSEWHERE = (True, True)
+# another process is a forked one, as a loader worker is on Linux; where there is no fork
+# (Windows) the second pass runs here, with the other clock only
+CAN_FORK = "fork" in multiprocessing.get_all_start_methods()
 
 
 def _consistent(
@@ -236,11 +237,11 @@ def _consistent(
 ) -> tuple[KeyedPipeline, dict[tuple[int, int], Any], str | None]:
     """A build, its outputs on ``samples`` (pass 1) and, if its work ran on threads of its
     own, what to call it; refused, naming the transform and why, when pass 2 (a new build,
-    the reverse order, another clock and process) differs, or when the inputs changed."""
+    the reverse order, another clock, another process) differs, or when the inputs
+    changed."""
     saved = [(image.clone(), _copy(target)) for _, image, target in samples]
-    with busy_elsewhere() as busy:
-        pipeline, ref = _pass(make, samples, which)
-    other = _pass(make, samples[::-1], which, reverse=True, where=ELSEWHERE)[1]
+    pipeline, ref, busy = _here(make, samples, which)
+    other = _pass(make, samples[::-1], which, reverse=True, where=ELSEWHERE)
     for (index, image, target), before in zip(samples, saved, strict=True):
         if not _same((image, target), before):
             raise ConfigError(
@@ -252,9 +253,9 @@ def _consistent(
     if any(not _same(ref[k], other[k]) for k in ref):
         raise ConfigError(_why(make, samples, which, ref))
     threaded = None
-    if busy.threaded() and busy_elsewhere_without(busy.wall) < busy.elsewhere / 2:
+    if busy.threaded() and not busy.explained_by(busy_elsewhere_without(busy.wall)):
         name = _threaded_part(make, samples, which) or pipeline.name
-        threaded = f"augment.{which}: {name} ({1000 * busy.elsewhere:.0f} ms)"
+        threaded = f"augment.{which}: {name}"
         log.warning(
             f"augment.{which}: {name} ran on threads of its own ({1000 * busy.elsewhere:.0f} "
             f"ms of CPU beside {1000 * busy.own:.0f} ms on the calling thread), which the "
@@ -267,34 +268,107 @@ def _consistent(
     return pipeline, ref, threaded
 
 
+def _here(
+    make: Make,
+    samples: list[Sample],
+    which: str,
+    reverse: bool = False,
+    clock: bool = False,
+    keys: int = KEYS,
+) -> tuple[KeyedPipeline, dict[tuple[int, int], Any], _Busy]:
+    """A new build and its outputs on ``samples``, in this process, on the check's clock
+    (:func:`shifted_clock`, moved when ``clock``); and the CPU time the calls took on this
+    thread and on the process's others."""
+    with shifted_clock(CLOCK_SHIFT if clock else 0, CLOCK_STEP if clock else 0.0) as tick:
+        pipeline = make()
+        refuse_foreign(pipeline, which)
+        with busy_elsewhere() as busy:
+            out = _outputs_at(pipeline, samples, which, reverse, keys, tick)
+    return pipeline, out, busy
+
+
 def _pass(
     make: Make,
     samples: list[Sample],
     which: str,
     reverse: bool = False,
     where: tuple[bool, bool] = HERE,
-    keys: int = KEYS,
-) -> tuple[KeyedPipeline, dict[tuple[int, int], Any]]:
-    """A new build and its outputs on ``samples``, both under ``where``'s conditions: the
-    clock (every pass on one: a second's tick between passes is no cause) and, with
-    ``where[1]``, another process's identity."""
+) -> dict[tuple[int, int], Any]:
+    """The outputs of a new build on ``samples`` under ``where``'s conditions: the check's
+    clock, moved or not, and this process or another (:func:`_as_a_worker`)."""
     clock, process = where
-    with contextlib.ExitStack() as stack:
-        ticks = [
-            stack.enter_context(
-                shifted_clock(CLOCK_SHIFT, CLOCK_STEP) if clock else shifted_clock(0)
+    if process and CAN_FORK:
+        return _in_another_process(make, samples, which, reverse, clock)
+    return _here(make, samples, which, reverse, clock)[1]
+
+
+def _in_another_process(
+    make: Make, samples: list[Sample], which: str, reverse: bool, clock: bool
+) -> dict[tuple[int, int], Any]:
+    """:func:`_as_a_worker` in a forked process (nothing pickled on the way in: ``make``
+    may be a closure), its outputs or its error sent back (torch.save's bytes: tensors and
+    plain values), the error raised here as it was raised there."""
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(
+        target=_as_a_worker, args=(send, make, samples, which, reverse, clock), daemon=True
+    )
+    child.start()
+    send.close()
+    try:
+        answer = receive.recv_bytes()
+    except EOFError:
+        child.join()
+        raise ConfigError(
+            f"augment.{which}: the self-check's second pass, in a process of its own as a "
+            f"loader worker is, ended without an answer (exit code {child.exitcode}): the "
+            "pipeline crashed the process; run it in a loader worker to see how "
+            "(loader=multi)."
+        ) from None
+    finally:
+        receive.close()
+    child.join()
+    kind, value = pickle.loads(answer)
+    if kind == "error":
+        raise value
+    return torch.load(io.BytesIO(value), weights_only=True)
+
+
+def _as_a_worker(
+    send: Any, make: Make, samples: list[Sample], which: str, reverse: bool, clock: bool
+) -> None:
+    """Pass 2 in a forked process, as a loader worker runs a pipeline: one intra-op thread,
+    ``get_worker_info()`` a worker's (number 1 of 2), its own pid; the check's clock moved
+    when ``clock``. Before each call a small tensor and object are kept aside, so that the
+    call's copy of its input does not take the address the one before freed, as in pass 1
+    every call's did: an ``id()`` read shows. Sends ``("ok", outputs)`` or ``("error",
+    exception)``."""
+    try:
+        torch.set_num_threads(1)
+        if hasattr(_loader_worker, "_worker_info"):
+            _loader_worker._worker_info = _loader_worker.WorkerInfo(
+                id=1, num_workers=2, seed=PROCESS_SEED, dataset=None
             )
-        ]
-        if process:
-            ticks.append(stack.enter_context(another_process()))
-        pipeline = make()
-        refuse_foreign(pipeline, which)
+        kept: list[Any] = []
+        with shifted_clock(CLOCK_SHIFT if clock else 0, CLOCK_STEP if clock else 0.0) as tick:
 
-        def tick() -> None:
-            for t in ticks:
-                t()
+            def tick_and_move() -> None:
+                tick()
+                kept.append((torch.empty(0), object(), [None]))
 
-        return pipeline, _outputs_at(pipeline, samples, which, reverse, keys, tick)
+            pipeline = make()
+            refuse_foreign(pipeline, which)
+            out = _outputs_at(pipeline, samples, which, reverse, KEYS, tick_and_move)
+        buffer = io.BytesIO()
+        torch.save(out, buffer)
+        answer = pickle.dumps(("ok", buffer.getvalue()))
+    except BaseException as err:  # noqa: BLE001 -- sent back and raised there
+        try:
+            answer = pickle.dumps(("error", err))
+        except Exception:  # an exception that does not pickle: its one line
+            answer = pickle.dumps(("error", ConfigError(f"augment.{which}: {one_line(err)}")))
+    send.send_bytes(answer)
+    send.close()
 
 
 def _outputs_at(
@@ -374,7 +448,7 @@ def _differs(
     reverse: bool = False,
     where: tuple[bool, bool] = HERE,
 ) -> bool:
-    other = _pass(make, samples, which, reverse=reverse, where=where)[1]
+    other = _pass(make, samples, which, reverse=reverse, where=where)
     return any(not _same(ref[k], other[k]) for k in ref)
 
 
@@ -398,8 +472,8 @@ def _culprit(make: Make, samples: list[Sample], which: str) -> str | None:
     before it gave."""
     for part in _parts(make) or []:
         try:
-            ref = _pass(part, samples, which)[1]
-            other = _pass(part, samples[::-1], which, reverse=True, where=ELSEWHERE)[1]
+            ref = _pass(part, samples, which)
+            other = _pass(part, samples[::-1], which, reverse=True, where=ELSEWHERE)
         except ReproError:  # a part that cannot run alone on this input: name the whole
             return None
         if any(not _same(ref[k], other[k]) for k in ref):
@@ -413,8 +487,7 @@ def _threaded_part(make: Make, samples: list[Sample], which: str) -> str | None:
     each run alone on what the ones before it gave."""
     for part in _parts(make) or []:
         try:
-            with busy_elsewhere() as busy:
-                ref = _pass(part, samples, which)[1]
+            _, ref, busy = _here(part, samples, which)
         except ReproError:
             return None
         if busy.threaded():
@@ -424,12 +497,19 @@ def _threaded_part(make: Make, samples: list[Sample], which: str) -> str | None:
 
 
 class _Busy:
-    """CPU seconds of the calling thread and of the process's other threads over a block."""
+    """CPU seconds of the calling thread and of the process's other threads over a block,
+    and its wall time."""
 
     own = elsewhere = wall = 0.0
 
     def threaded(self) -> bool:
         return self.elsewhere >= max(THREADED_SECONDS, THREADED_SHARE * self.own)
+
+    def explained_by(self, idle: tuple[float, float]) -> bool:
+        """Would the other threads have spent at least half of it anyway, at the rate
+        ``idle`` (CPU seconds, wall seconds) of a moment when this one did nothing?"""
+        spent, wall = idle
+        return spent / max(wall, 1e-9) * self.wall >= self.elsewhere / 2
 
 
 @contextlib.contextmanager
@@ -447,15 +527,15 @@ def busy_elsewhere() -> Iterator[_Busy]:
         busy.wall = _REAL_PERF() - start[2]
 
 
-def busy_elsewhere_without(seconds: float) -> float:
-    """The CPU time the process's other threads spend while this one waits ``seconds`` (at
-    most a second), after :data:`SETTLE` seconds for a pool the pipeline used to go idle
-    (OpenBLAS's threads spin about 0.1 s after a call): what they do anyway (an OpenMP pool
-    told to spin, a logging thread)."""
+def busy_elsewhere_without(seconds: float) -> tuple[float, float]:
+    """(CPU seconds, wall seconds) of the process's other threads while this one waits
+    ``seconds`` (at most one), after :data:`SETTLE` seconds for a pool the pipeline used to
+    go idle (OpenBLAS's threads spin about 0.1 s after a call): what they do anyway (an
+    OpenMP pool told to spin, a logging thread)."""
     time.sleep(SETTLE)
     with busy_elsewhere() as busy:
         time.sleep(min(seconds, 1.0))
-    return busy.elsewhere
+    return busy.elsewhere, busy.wall
 
 
 # the real clocks, for measuring: the check's passes move time's own
@@ -502,23 +582,23 @@ def shifted_clock(seconds: float, step: float = 0.0) -> Iterator[Callable[[], No
             return real_clock_gettime(clock)
         return now("time" if clock == time.CLOCK_REALTIME else "monotonic")
 
-    class Later(real_datetime):
+    class Later(real_datetime):  # its instances are datetimes and Laters alike
         @classmethod
         def now(cls, tz=None):  # noqa: ANN001, ANN206
-            return real_datetime.fromtimestamp(now(), tz)
+            return cls.fromtimestamp(now(), tz)
 
         @classmethod
         def utcnow(cls):  # noqa: ANN206
-            return real_datetime.fromtimestamp(now(), datetime.UTC).replace(tzinfo=None)
+            return cls.fromtimestamp(now(), datetime.UTC).replace(tzinfo=None)
 
         @classmethod
         def today(cls):  # noqa: ANN206
-            return real_datetime.fromtimestamp(now())
+            return cls.fromtimestamp(now())
 
     class LaterDate(real_date):
         @classmethod
         def today(cls):  # noqa: ANN206
-            return real_date.fromtimestamp(now())
+            return cls.fromtimestamp(now())
 
     patched: dict[str, Callable] = {}
     for n in names:
@@ -543,10 +623,10 @@ def shifted_clock(seconds: float, step: float = 0.0) -> Iterator[Callable[[], No
             else int(clock_gettime(clock) * 1_000_000_000)
         )
     originals = {n: getattr(time, n) for n in patched}
-    for n, f in patched.items():
-        setattr(time, n, f)
-    datetime.datetime, datetime.date = Later, LaterDate
     try:
+        for n, f in patched.items():
+            setattr(time, n, f)
+        datetime.datetime, datetime.date = Later, LaterDate
         yield tick
     finally:
         for n, f in originals.items():
@@ -556,67 +636,6 @@ def shifted_clock(seconds: float, step: float = 0.0) -> Iterator[Callable[[], No
 
 # the whole second every pass's wall clock starts at (shifted_clock)
 _EPOCH = float(int(time.time()))
-
-
-def scrambled_address(address: int, salt: int = 0) -> int:
-    """Another process's address for the object at ``address``: a bijection of 47-bit
-    addresses for each ``salt`` (an xor and an odd multiplier), so one object keeps one
-    address and two keep two, while its parity, slot number and any modulus differ from
-    this process's."""
-    return ((address ^ 0x5DEECE66D ^ (salt * 0x2545F491)) * 0x9E3779B97F4B) % (1 << 47)
-
-
-@contextlib.contextmanager
-def another_process() -> Iterator[Callable[[], None]]:
-    """Inside: what a transform can read of the process it runs in, as another process reads
-    it -- ``os.getpid``/``getppid`` and ``threading.get_native_id`` :data:`PROCESS_SHIFT`
-    further; every address ``id()`` gives, and the ``hash()`` of an object hashed by
-    identity, scrambled (:func:`scrambled_address`), anew at each call of the yielded
-    ``tick`` (the check calls it before each call of the pipeline: the allocator gives a
-    call's copy of its input the same address every time, so one scramble would be one
-    coin); ``torch.utils.data.get_worker_info()`` a loader worker's (number 1 of 2).
-    Afterwards all of it back, and the global RNG states, thread count and flags as they
-    were (in a loader worker the pipeline leaves them as it set them).
-    ``threading.get_ident`` is left alone: ``threading.current_thread()`` looks the thread
-    up by it."""
-    real_id, real_hash = builtins.id, builtins.hash
-    calls = [0]
-
-    def tick() -> None:
-        calls[0] += 1
-
-    def scrambled_hash(o: Any) -> int:
-        if type(o).__hash__ is object.__hash__:  # hashed by identity: by its address
-            return scrambled_address(real_hash(o), calls[0])
-        return real_hash(o)
-
-    patched: list[tuple[Any, str, Any]] = [
-        (os, "getpid", lambda f=os.getpid: f() + PROCESS_SHIFT),
-        (os, "getppid", lambda f=os.getppid: f() + PROCESS_SHIFT),
-        (threading, "get_native_id", lambda f=threading.get_native_id: f() + PROCESS_SHIFT),
-        (builtins, "id", lambda o: scrambled_address(real_id(o), calls[0])),
-        (builtins, "hash", scrambled_hash),
-    ]
-    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patched]
-    states = (torch.get_rng_state(), np.random.get_state(), random.getstate())
-    settings, threads = SampleSettings.here(), torch.get_num_threads()
-    info = _loader_worker._worker_info
-    try:
-        for owner, name, f in patched:
-            setattr(owner, name, f)
-        _loader_worker._worker_info = _loader_worker.WorkerInfo(
-            id=1, num_workers=2, seed=PROCESS_SHIFT, dataset=None
-        )
-        yield tick
-    finally:
-        _loader_worker._worker_info = info
-        for owner, name, f in originals:
-            setattr(owner, name, f)
-        torch.set_rng_state(states[0])
-        np.random.set_state(states[1])
-        random.setstate(states[2])
-        settings.apply()
-        torch.set_num_threads(threads)
 
 
 def _shapes(

@@ -23,8 +23,8 @@ preview``, the normalisation statistics):
   the main process's flags whatever its start method.
 
 In the main process everything is put back afterwards; a loader worker keeps them (nothing
-else runs there). Entering is a few reads when nothing differs (0.5 µs), and one
-``torch.set_num_threads`` each way in the main process (0.4 µs the pair).
+else runs there). The thread count and the flags are the process's, not a thread's: two
+threads of one process doing per-sample work at once would share them.
 
 Not pinned, because PyTorch cannot: a library's own thread pool (OpenCV's, an OpenBLAS
 under NumPy) -- the self-check names a transform whose work runs on other threads
@@ -35,6 +35,8 @@ under NumPy) -- the self-check names a transform whose work runs on other thread
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -43,7 +45,11 @@ import torch
 # the intra-op threads of every per-sample computation: a DataLoader worker's
 SAMPLE_THREADS = 1
 
-_inside = 0  # > 0 while a pinned() block runs in this process: nested blocks change nothing
+# how deep in pinned() blocks this thread is (nested blocks change nothing); 0 again in a
+# process forked from inside one
+_depth = threading.local()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: setattr(_depth, "value", 0))
 
 
 @dataclass(frozen=True)
@@ -87,8 +93,7 @@ class SampleSettings:
     def pinned(self) -> Iterator[None]:
         """Inside: one intra-op thread, autocast off on the CPU, the CPU as the default
         device, and these flags; afterwards, in the main process, what was there before."""
-        global _inside
-        if _inside:  # a fetch around its pipeline's calls: pinned once, by the outer block
+        if getattr(_depth, "value", 0):  # a fetch around its pipeline's calls: pinned once
             yield
             return
         worker = torch.utils.data.get_worker_info() is not None
@@ -96,7 +101,7 @@ class SampleSettings:
         if torch.get_num_threads() != SAMPLE_THREADS:
             torch.set_num_threads(SAMPLE_THREADS)
         self.apply()
-        _inside += 1
+        _depth.value = 1
         try:
             with contextlib.ExitStack() as stack:
                 if torch.is_autocast_enabled("cpu"):
@@ -105,7 +110,7 @@ class SampleSettings:
                     stack.enter_context(torch.device("cpu"))
                 yield
         finally:
-            _inside -= 1
+            _depth.value = 0
             if before is not None:
                 before[0].apply()
                 if torch.get_num_threads() != before[1]:
