@@ -45,8 +45,8 @@ import torch
 # the intra-op threads of every per-sample computation: a DataLoader worker's
 SAMPLE_THREADS = 1
 
-# how deep in pinned() blocks this thread is (nested blocks change nothing); 0 again in a
-# process forked from inside one
+# 1 while this thread is inside a pinned() block (a nested one changes nothing); 0 again in
+# a process forked from inside one
 _depth = threading.local()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=lambda: setattr(_depth, "value", 0))
