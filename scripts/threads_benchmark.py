@@ -28,27 +28,11 @@ from _results import command_line, environment_line, today, write_results
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def rgb_folder(root: Path, n: int, side: int) -> Path:
-    """``n`` RGB images of the embedded shapes at ``side`` px, with masks."""
-    from PIL import Image
-
-    from repro.components.data.synthetic import synthetic_shapes
-
-    d = synthetic_shapes(seed=5, num_classes=4, train_size=n, val_size=1, image_size=side)
-    (root / "images").mkdir(parents=True)
-    (root / "masks").mkdir()
-    for i in range(n):
-        Image.fromarray(d.train.images[i].permute(1, 2, 0).numpy()).save(
-            root / "images" / f"{i:03d}.png"
-        )
-        Image.fromarray(d.train.labels[i].numpy(), mode="L").save(root / "masks" / f"{i:03d}.png")
-    return root
-
-
 def cases(root: Path, images: int) -> dict[str, list[str]]:
-    from repro.components.data.synthetic import write_nuclei_folder
+    from repro.components.data.synthetic import write_nuclei_folder, write_shapes_folder
 
-    rgb = rgb_folder(root / "rgb", images, 96)
+    rgb = root / "rgb"
+    write_shapes_folder(rgb, count=images, image_size=96, seed=5)
     nuclei = root / "nuclei"
     write_nuclei_folder(nuclei, count=images, seed=0, sizes=(300, 420))
     return {

@@ -29,6 +29,7 @@ from repro.components.data import (
     image_mask_folder,
     synthetic_shapes,
 )
+from repro.components.data.synthetic import write_shapes_folder
 from repro.components.models import UNet
 from repro.components.tasks import Segmentation
 from repro.records.trace import tensors_sha256
@@ -272,20 +273,9 @@ def test_masks_get_their_images_crop_and_flip():
 
 
 def write_folder(root, n=24, size=32, num_classes=4, seed=9):
-    """An image/mask folder made of synthetic shapes (PNG images and masks)."""
-    from PIL import Image
-
-    d = synthetic_shapes(
-        seed=seed, num_classes=num_classes, train_size=n, val_size=1, image_size=size
-    )
-    (root / "images").mkdir(parents=True)
-    (root / "masks").mkdir()
-    for i in range(n):
-        Image.fromarray(d.train.images[i].permute(1, 2, 0).numpy()).save(
-            root / "images" / f"{i:03d}.png"
-        )
-        Image.fromarray(d.train.labels[i].numpy(), mode="L").save(root / "masks" / f"{i:03d}.png")
-    return d
+    """An image/mask folder made of synthetic shapes (PNG images and masks); the data they
+    were drawn from."""
+    return write_shapes_folder(root, n, size, num_classes, seed)
 
 
 def test_image_mask_folder_is_read_lazily_with_its_masks(tmp_path, monkeypatch):

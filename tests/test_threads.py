@@ -35,7 +35,7 @@ from repro.components.data import (
     make_train_loader,
 )
 from repro.components.data.augment import RandomPatch
-from repro.components.data.synthetic import synthetic_shapes, write_nuclei_folder
+from repro.components.data.synthetic import write_nuclei_folder, write_shapes_folder
 
 SIZES = (128, 256, 512)
 INPUTS = [(dtype, channels) for dtype in (torch.uint8, torch.float32) for channels in (1, 3)]
@@ -237,18 +237,8 @@ def test_the_segmentation_preset_on_a_folder_at_128_px_gives_one_digest_with_any
 ):
     """The issue's case: ``experiment=segmentation data=image_mask_folder`` on 40-px RGB
     images, resized to data.image_size=128 (the folder's default) and augmented there."""
-    from PIL import Image
-
-    shapes = synthetic_shapes(seed=5, num_classes=4, train_size=24, val_size=1, image_size=40)
     root = tmp_path / "data"
-    (root / "images").mkdir(parents=True)
-    (root / "masks").mkdir()
-    for i in range(24):
-        image = shapes.train.images[i].permute(1, 2, 0).numpy()
-        Image.fromarray(image).save(root / "images" / f"{i:03d}.png")
-        Image.fromarray(shapes.train.labels[i].numpy(), mode="L").save(
-            root / "masks" / f"{i:03d}.png"
-        )
+    write_shapes_folder(root, count=24, image_size=40, seed=5)
     same_weights(
         tmp_path, "experiment=segmentation", "data=image_mask_folder", f"data.path={root}",
         "data.num_classes=4", "data.image_size=128", "model.width=4", "model.depth=2",

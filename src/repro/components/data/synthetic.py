@@ -158,6 +158,33 @@ def synthetic_shapes(
     )
 
 
+def write_shapes_folder(
+    path: str | Path, count: int = 24, image_size: int = 32, num_classes: int = 4, seed: int = 9
+) -> DataSplits:
+    """Write ``count`` samples of the embedded shapes (:func:`synthetic_shapes`, generated
+    from ``seed`` at ``image_size``) as a folder that
+    :func:`repro.components.data.image_mask_folder` reads: RGB PNGs ``images/NNN.png`` and
+    their class masks ``masks/NNN.png``. Returns the data they were drawn from (its training
+    split holds them, in file order). An existing ``images/`` or ``masks/`` is an error:
+    nothing is overwritten."""
+    from repro.components.data.folders import _pillow
+
+    Image = _pillow()
+    data = synthetic_shapes(
+        seed=seed, num_classes=num_classes, train_size=count, val_size=1, image_size=image_size
+    )
+    root = Path(path)
+    (root / "images").mkdir(parents=True)
+    (root / "masks").mkdir()
+    for i in range(count):
+        image = data.train.images[i].permute(1, 2, 0).numpy()
+        Image.fromarray(image).save(root / "images" / f"{i:03d}.png")
+        Image.fromarray(data.train.labels[i].numpy(), mode="L").save(
+            root / "masks" / f"{i:03d}.png"
+        )
+    return data
+
+
 NUCLEI_CLASSES = ("background", "nucleus", "boundary")
 
 
