@@ -336,7 +336,11 @@ class Precision:
         self.scaler = torch.amp.GradScaler(device.type, enabled=fp16)
 
     def autocast(self) -> AbstractContextManager:
-        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
+        """The forward's autocast region; nothing at all when AMP is off (the loop runs
+        outside any autocast region, so there is none to turn off)."""
+        if not self.enabled:
+            return nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
 
 
 @dataclass

@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -89,32 +88,59 @@ class SampleSettings:
         if torch.get_default_dtype() != self.default_dtype:
             torch.set_default_dtype(self.default_dtype)
 
-    @contextlib.contextmanager
-    def pinned(self) -> Iterator[None]:
+    def pinned(self) -> contextlib.AbstractContextManager:
         """Inside: one intra-op thread, autocast off on the CPU, the CPU as the default
-        device, and these flags; afterwards, in the main process, what was there before."""
-        if getattr(_depth, "value", 0):  # a fetch around its pipeline's calls: pinned once
-            yield
+        device, and these flags; afterwards, in the main process, what was there before.
+        (A class, not a generator: a fetch enters it on every step, in the loop's time.)"""
+        return _Pinned(self)
+
+
+class _Pinned:
+    """:meth:`SampleSettings.pinned`'s block; a nested one (a fetch around its pipeline's
+    calls) changes nothing."""
+
+    __slots__ = ("settings", "outer", "before", "threads", "stack")
+
+    def __init__(self, settings: SampleSettings) -> None:
+        self.settings = settings
+
+    def __enter__(self) -> None:
+        self.outer = not getattr(_depth, "value", 0)
+        if not self.outer:
             return
         worker = torch.utils.data.get_worker_info() is not None
-        before = None if worker else (SampleSettings.here(), torch.get_num_threads())
-        if torch.get_num_threads() != SAMPLE_THREADS:
+        self.before = None if worker else SampleSettings.here()
+        self.threads = torch.get_num_threads()
+        if self.threads != SAMPLE_THREADS:
             torch.set_num_threads(SAMPLE_THREADS)
-        self.apply()
+        self.settings.apply()
         _depth.value = 1
+        self.stack = None
         try:
-            with contextlib.ExitStack() as stack:
-                if torch.is_autocast_enabled("cpu"):
-                    stack.enter_context(torch.autocast("cpu", enabled=False))
-                if torch.get_default_device().type != "cpu":
-                    stack.enter_context(torch.device("cpu"))
-                yield
+            off = torch.is_autocast_enabled("cpu")
+            elsewhere = torch.get_default_device().type != "cpu"
+            if off or elsewhere:
+                self.stack = contextlib.ExitStack()
+                if off:
+                    self.stack.enter_context(torch.autocast("cpu", enabled=False))
+                if elsewhere:
+                    self.stack.enter_context(torch.device("cpu"))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.outer:
+            return
+        try:
+            if self.stack is not None:
+                self.stack.close()
         finally:
             _depth.value = 0
-            if before is not None:
-                before[0].apply()
-                if torch.get_num_threads() != before[1]:
-                    torch.set_num_threads(before[1])
+            if self.before is not None:
+                self.before.apply()
+                if torch.get_num_threads() != self.threads:
+                    torch.set_num_threads(self.threads)
 
 
 def pinned_here() -> contextlib.AbstractContextManager:
