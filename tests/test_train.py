@@ -260,37 +260,49 @@ def test_json_files_stay_valid_json_when_a_value_is_not_finite(tmp_path):
 def test_a_loss_that_is_not_finite_stops_the_run_after_a_checkpoint_of_the_last_finite_step(
     model, tmp_path
 ):
-    """optim.lr=1e6 diverges within a few steps. The run stops at the first step whose loss or
-    gradient norm is not finite, with nothing of that step applied (BatchNorm's running
-    statistics included) and no periodic checkpoint asked for: the checkpoint it writes
-    holds, bit for bit, the state the uninterrupted run (trainer.on_nonfinite=continue) had
-    one step before."""
+    """optim.lr=1e6 diverges within a few steps. The loop reads the steps' values in blocks
+    (every trainer.log_every steps: here 10, and no digest, evaluation or checkpoint inside
+    the first block), so the step that is not finite comes inside a block whose later steps
+    ran on: the run must still stop at that step with nothing of it or later applied,
+    logged or saved (BatchNorm's running statistics included), and keep the checkpoint of
+    the step before it -- the whole state (weights, optimizer, schedule, generators) bit for
+    bit as the uninterrupted run (trainer.on_nonfinite=continue) checkpointed it."""
     from repro.base.errors import Diverged
-    from repro.records.checkpoint import load_checkpoint
-    from repro.records.trace import state_dict_sha256
+    from repro.records.checkpoint import content_sha256, load_checkpoint
 
-    diverging = [*TINY, *model, "optim.lr=1e6", "trainer.max_steps=40", "trainer.trace_every=1"]
+    diverging = [*TINY, *model, "optim.lr=1e6", "trainer.max_steps=40", "trainer.log_every=10"]
+    diverging += ["trainer.eval_every=40", "trainer.trace_every=0"]
     with pytest.raises(Diverged, match=r"^step (\d+): the loss is (nan|inf)") as err:
         train_here(tmp_path / "stop", *diverging, "trainer.checkpoint_every=0")
     message = str(err.value)
     bad = int(message.split(":")[0].split()[1])
+    assert 1 < bad < 10, "the divergence is to come inside the first block"
     kept = tmp_path / "stop" / "checkpoints" / f"step-{bad - 1:08d}.pt"
-    assert bad > 1 and f"last finite step's checkpoint is {kept}" in message
+    assert f"last finite step's checkpoint is {kept}" in message
     assert "\n" not in message and not (tmp_path / "stop" / "summary.json").exists()
+    assert sorted((tmp_path / "stop" / "checkpoints").glob("step-*.pt")) == [kept]
     state = load_checkpoint(kept)
     assert state["step"] == bad - 1
     assert all(bool(torch.isfinite(v).all()) for v in state["model"].values())
-    rows = (tmp_path / "stop" / "metrics.csv").read_text().splitlines()
-    assert rows[-1].startswith(f"{bad},")  # the step that diverged is logged, then the stop
 
-    went_on = train_here(tmp_path / "on", *diverging, "trainer.on_nonfinite=continue")
+    went_on = train_here(
+        tmp_path / "on",
+        *diverging,
+        "trainer.on_nonfinite=continue",
+        "trainer.checkpoint_every=1",
+        "trainer.keep_checkpoints=50",
+    )
     assert went_on.summary["steps"] == 40
     assert json.loads((tmp_path / "on" / "summary.json").read_text())["final_loss"] is None
-    records = [json.loads(line) for line in (tmp_path / "on" / "trace.jsonl").open()]
-    before = next(r for r in records if r["step"] == bad - 1)
-    assert state_dict_sha256(state["model"]) == before["weights_sha256"]
-    after = next(r for r in records if r["step"] == bad)
-    assert after["loss"] is None or not math.isfinite(after["loss"])
+    theirs = load_checkpoint(tmp_path / "on" / "checkpoints" / f"step-{bad - 1:08d}.pt")
+    for part in ("model", "optimizer", "schedule", "scaler", "rng", "ema", "last"):
+        assert content_sha256({part: state[part]}) == content_sha256({part: theirs[part]}), part
+    # the rows up to the step that diverged, as the uninterrupted run wrote them; none after
+    stopped = (tmp_path / "stop" / "metrics.csv").read_text().splitlines()
+    assert stopped == (tmp_path / "on" / "metrics.csv").read_text().splitlines()[: bad + 1]
+    trace = [json.loads(line) for line in (tmp_path / "stop" / "trace.jsonl").open()]
+    assert [r["step"] for r in trace] == list(range(bad + 1))
+    assert trace[-1]["loss"] is None or not math.isfinite(trace[-1]["loss"])
 
 
 def test_a_loader_error_met_while_looking_ahead_comes_after_the_step_before_it(

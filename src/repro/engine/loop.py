@@ -61,6 +61,7 @@ from repro.engine.inference import choose_checkpoint, evaluate_checkpoint
 from repro.engine.preemption import Preemption
 from repro.engine.reduction import Reducer, check_split, share
 from repro.engine.settle import LoaderChoice, Settled, resolve_device, settle
+from repro.engine.nonfinite import FiniteGuard, Step
 from repro.engine.step import NotFinite, train_step
 from repro.records.checkpoint import (
     Checkpointer,
@@ -173,7 +174,17 @@ def _train(
         preemption = Preemption(signals, world, max_steps)
         clock = Throughput(start, max_steps, training.batch_size, run.device)
         batches = clock.timed(batches)  # the time the loop waits for the loader
-        stop = t.on_nonfinite == "stop"
+        # read once: a DictConfig lookup costs microseconds, on every step of a small model
+        eval_every, checkpoint_every = int(t.eval_every), int(t.checkpoint_every)
+        log_every = int(t.log_every)
+        guard = None  # trainer.on_nonfinite=stop: the steps are read where the host reads anyway
+        if t.on_nonfinite == "stop":
+            guard = FiniteGuard(
+                training,
+                start,
+                functools.partial(replay_step, training, normalize, first, reducer),
+                loss_only=training.precision.scaler.is_enabled(),
+            )
         upcoming = next_step_batches(batches, count, normalize)
         for step in range(start, max_steps):
             done = step + 1
@@ -190,35 +201,38 @@ def _train(
                 record["resumed"] = resumes[-1]
             lr = training.schedule.get_last_lr()[0]
             try:
-                loss, grad_norm = train_step(
-                    training, micro, step, first=first, reducer=reducer, stop_if_not_finite=stop
-                )
-            except NotFinite as bad:  # nothing of this step applied: keep the last finite one
-                keep_last_finite(run, checkpoints, logs, tracer, step)
-                logs.step(done, bad.loss, bad.grad_norm, lr, record)
-                logs.flush(wait=True)
-                barrier(world)  # no rank exits (and has torchrun stop rank 0) before the save
-                raise diverged(run, done, bad) from None
+                loss, grad_norm = train_step(training, micro, step, first=first, reducer=reducer)
             except RuntimeError as err:  # strict mode and an op with no deterministic kernel?
                 explain_nondeterministic_op(err, training, *micro[0])  # one line if so
                 raise
+            if guard is not None:
+                guard.note(Step(done, loss, grad_norm, lr, dict(record), raw))
             clock.tick(done)
             if after_step is not None:
                 after_step(done, training.model)
+            if guard is not None and (
+                done % log_every == 0  # the logs read the block's values here
+                or tracer.digest_step(done)
+                or due(done, eval_every, max_steps)
+                or due(done, checkpoint_every, max_steps)
+            ):
+                stop_if_diverged(guard, run, checkpoints, logs, tracer)
             record.update(tracer.state(done, training.model))
             metrics = None
-            if world.main and due(done, int(t.eval_every), max_steps):
+            if world.main and due(done, eval_every, max_steps):
                 result = evaluate_split(training, data.val, normalize, int(t.eval_batch_size))
                 result.write_per_sample(run.dir / VAL_PER_SAMPLE_FILE, step=done)
                 metrics = result.metrics
             logs.step(done, loss, grad_norm, lr, record, metrics)
-            if not stop:  # trainer.on_nonfinite=continue
+            if guard is None:  # trainer.on_nonfinite=continue
                 logs.warn_if_diverged()
             if metrics is not None:  # before the step's checkpoint, which records the best
                 checkpoints.consider_best(done, metrics, logs)
-            if world.main and due(done, int(t.checkpoint_every), max_steps):
+            if world.main and due(done, checkpoint_every, max_steps):
                 checkpoints.save(done, logs)
             if preemption.poll(done):
+                if guard is not None:
+                    stop_if_diverged(guard, run, checkpoints, logs, tracer)
                 save_before_stopping(run, checkpoints, logs, tracer, done)
                 logs.close()  # all on disk before handing the signal over
                 preemption.stop(done, checkpoint_path(run.dir, done), run.dir)
@@ -341,6 +355,38 @@ def save_before_stopping(
     tracer.check_pending()
     if run.world.main and checkpoints.last_saved != done:
         checkpoints.save(done, logs)
+
+
+def replay_step(
+    training: Training,
+    normalize: DeviceNormalizer,
+    first: int,
+    reducer: Reducer | None,
+    step: int,
+    raw: list[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step`` again, on its batches as loaded (:class:`FiniteGuard`'s replay), checked
+    at once."""
+    micro = [normalize(*b) for b in raw]
+    return train_step(training, micro, step, first=first, reducer=reducer, stop_if_not_finite=True)
+
+
+def stop_if_diverged(
+    guard: FiniteGuard, run: Run, checkpoints: Checkpointer, logs: TrainingLog, tracer: StepTracer
+) -> None:
+    """Every rank, where the loop reads the device: if a step since the last read was not
+    finite (step N), the state is brought back to step N - 1 (:class:`FiniteGuard`), its
+    checkpoint kept and step N's values logged; then the run stops. Nothing of step N or
+    later is applied, logged, evaluated or saved."""
+    bad = guard.verify()
+    if bad is None:
+        return
+    logs.forget_from(bad.done)
+    keep_last_finite(run, checkpoints, logs, tracer, bad.done - 1)
+    logs.step(bad.done, bad.loss, bad.grad_norm, bad.lr, bad.record)
+    logs.flush(wait=True)
+    barrier(run.world)  # no rank exits (and has torchrun stop rank 0) before the save
+    raise diverged(run, bad.done, NotFinite(bad.loss, bad.grad_norm)) from None
 
 
 def keep_last_finite(

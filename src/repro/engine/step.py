@@ -36,7 +36,9 @@ def train_step(
 
     With ``stop_if_not_finite`` a loss or gradient norm that is inf or NaN raises
     :class:`NotFinite` before the optimizer step, so that the weights, BatchNorm statistics,
-    optimizer and schedule are still those of the last finite step. That costs one host synchronisation per step.
+    optimizer and schedule are still those of the last finite step. That costs one host
+    synchronisation per step: the loop runs its steps without it and reads them in blocks
+    (:class:`repro.engine.nonfinite.FiniteGuard`, which uses it when it trains steps again).
     Under fp16 an infinite gradient is the loss scaler's business (it skips the step and
     lowers the scale), so only the loss is checked then.
 

@@ -744,25 +744,40 @@ class Checkpointer:
     def _state(self, step: int, logs: Any) -> dict[str, Any]:
         logs.flush(wait=True)
         t, ident = self.training, self.identity
+        state = training_state(t)
         return {
             "format": CHECKPOINT_FORMAT,
-            "model": t.model.state_dict(),
-            "optimizer": t.optimizer.state_dict(),
-            "schedule": t.schedule.state_dict(),
-            "scaler": t.precision.scaler.state_dict(),
+            "model": state["model"],
+            "optimizer": state["optimizer"],
+            "schedule": state["schedule"],
+            "scaler": state["scaler"],
             "step": step,
             "device": ident.device,
             "last": logs.last,
             "epoch": step // self.steps_per_epoch,
             "position_in_epoch": step % self.steps_per_epoch,
-            "rng": global_rng_states(),
+            "rng": state["rng"],
             "config": ident.config,
             "config_hash": ident.config_hash,
             "environment": ident.environment,
             "resumes": self.resumes,
             "best": self.best,
-            "ema": t.ema.state_dict() if t.ema is not None else None,
+            "ema": state["ema"],
         }
+
+
+def training_state(training: TrainingState) -> dict[str, Any]:
+    """What a checkpoint holds of the training (:func:`restore_training` puts it back): the
+    model's, optimizer's, schedule's, GradScaler's and weight average's state dicts and the
+    global generators' states (references to the live tensors, not copies)."""
+    return {
+        "model": training.model.state_dict(),
+        "optimizer": training.optimizer.state_dict(),
+        "schedule": training.schedule.state_dict(),
+        "scaler": training.precision.scaler.state_dict(),
+        "rng": global_rng_states(),
+        "ema": training.ema.state_dict() if training.ema is not None else None,
+    }
 
 
 def cannot_restore(training: TrainingState, state: dict[str, Any]) -> str | None:

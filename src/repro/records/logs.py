@@ -140,6 +140,11 @@ class TrainingLog:
             self.flush()
             self.progress.update(done, loss=f"{self.last_loss:.4f}")
 
+    def forget_from(self, step: int) -> None:
+        """Drop the pending rows of step ``step`` and after (steps that were not applied:
+        :class:`repro.engine.nonfinite.FiniteGuard`)."""
+        self.pending = [p for p in self.pending if p[0] < step]
+
     def flush(self, wait: bool = False) -> None:
         """Hand the pending steps' rows to the loggers, and write their trace records up to the first one
         whose state digest the background thread is still hashing (all, with ``wait``)."""
@@ -148,12 +153,12 @@ class TrainingLog:
 
     def _flush(self, wait: bool) -> None:
         if self.pending:
-            values = torch.stack(
-                [torch.stack([loss, norm.float()]) for _, loss, norm, _, _ in self.pending]
-            ).tolist()
+            # two device reads for the block, whatever its length (each value exact in a float)
+            losses = torch.stack([loss for _, loss, _, _, _ in self.pending]).tolist()
+            norms = torch.stack([norm.float() for _, _, norm, _, _ in self.pending]).tolist()
             rows = [
-                [s, (s - 1) // self.steps_per_epoch, v[0], v[1], lr]
-                for (s, _, _, lr, _), v in zip(self.pending, values, strict=True)
+                [s, (s - 1) // self.steps_per_epoch, loss, norm, lr]
+                for (s, _, _, lr, _), loss, norm in zip(self.pending, losses, norms, strict=True)
             ]
             self.loggers.log_steps([dict(zip(METRICS_FIELDS, r, strict=True)) for r in rows])
             if self.trace:
@@ -211,6 +216,9 @@ class NullLog(TrainingLog):
         self.diverged = None
 
     def step(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def forget_from(self, step: int) -> None:
         pass
 
     def flush(self, wait: bool = False) -> None:

@@ -179,6 +179,10 @@ class StepTracer:
     def _periodic(self, done: int) -> bool:
         return done == self.max_steps or bool(self.every and done % self.every == 0)
 
+    def digest_step(self, done: int) -> bool:
+        """Does :meth:`state` read the weights after step ``done``?"""
+        return self.enabled and self._periodic(done)
+
     def _checkpoint(self, done: int) -> bool:
         """Does the loop write a periodic checkpoint after step ``done``?"""
         return bool(self.checkpoint_every and done % self.checkpoint_every == 0)
