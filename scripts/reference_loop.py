@@ -2,17 +2,22 @@
 
 The same model class, optimizer, schedule, loss (the task's: cross-entropy, or the
 segmentation task's cross-entropy + soft Dice), precision and batch as the template's
-config, built by the template's own builders; the training split on the GPU; a random crop
-and flip per sample drawn on the GPU (one gather, as the template's; a mask moves with its
-image); deterministic algorithms on, channels_last and optionally ``torch.compile``
-(Inductor's deterministic mode on). Nothing else: no trace, no checkpoints, no keyed
-randomness, no evaluation, no check for a loss that is not finite.
-``scripts/benchmark.py --reference`` runs it beside the template; its weights digest shows
-it repeats too.
+config, built by the template's own builders; the training split on the device; a random
+crop and flip per sample drawn there (one gather, as the template's; a mask moves with its
+image), unless the config's augmentation is ``augment=none``; deterministic algorithms on,
+channels_last on a GPU (as the template's ``auto``) and optionally ``torch.compile`` (Inductor's deterministic mode on); on the
+CPU, the config's ``determinism.cpu_threads``. Nothing else: no trace, no checkpoints, no
+keyed randomness, no evaluation, no check for a loss that is not finite.
+``scripts/benchmark.py --reference`` runs it beside the template on a GPU, and
+``scripts/step_overhead.py`` on the CPU; its weights digest shows it repeats too.
+
+    python scripts/reference_loop.py --steps 3000 --device cpu -- model.width=2 augment=none
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,9 +48,12 @@ def reference_run(
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    if not on_cuda:
+        torch.set_num_threads(int(cfg.determinism.cpu_threads))
     torch.manual_seed(int(cfg.seed))
     splits = build_data(cfg)
-    model = build_model(cfg, splits, device).to(memory_format=torch.channels_last)
+    layout = torch.channels_last if on_cuda else torch.contiguous_format  # as channels_last=auto
+    model = build_model(cfg, splits, device).to(memory_format=layout)
     if compiled:
         import torch._inductor.config as inductor
 
@@ -58,18 +66,22 @@ def reference_run(
     mean, std = (torch.tensor(v, device=device).view(1, -1, 1, 1) for v in splits.normalisation())
     batch, micro = int(cfg.trainer.batch_size), int(cfg.trainer.micro_batch_size)
     bf16 = bool(cfg.amp.enabled)
+    augmented = not str(cfg.augment.train._target_).endswith(".Resize")  # augment=none: as loaded
     generator = torch.Generator(device).manual_seed(int(cfg.seed))
     marks = {}
     for step in range(1, steps + 1):
         index = torch.randint(0, len(images), (batch,), device=device, generator=generator)
-        offsets = torch.randint(0, 2 * CROP_PAD + 1, (batch, 2), device=device, generator=generator)
-        flips = torch.randint(0, 2, (batch, 1), device=device, generator=generator)
-        params = torch.cat([offsets, flips], 1)
-        x = crop_flip_batch(images[index], params)
-        x = ((x.float() / 255 - mean) / std).contiguous(memory_format=torch.channels_last)
-        y = labels[index]
-        if y.dim() == 3:  # masks: the image's crop and flip, the border not scored
-            y = crop_flip_batch(y[:, None], params, fill=IGNORE)[:, 0]
+        x, y = images[index], labels[index]
+        if augmented:
+            offsets = torch.randint(
+                0, 2 * CROP_PAD + 1, (batch, 2), device=device, generator=generator
+            )
+            flips = torch.randint(0, 2, (batch, 1), device=device, generator=generator)
+            params = torch.cat([offsets, flips], 1)
+            x = crop_flip_batch(x, params)
+            if y.dim() == 3:  # masks: the image's crop and flip, the border not scored
+                y = crop_flip_batch(y[:, None], params, fill=IGNORE)[:, 0]
+        x = ((x.float() / 255 - mean) / std).contiguous(memory_format=layout)
         for k in range(0, batch, micro):  # gradient accumulation, as the template's K
             with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
                 out = model(x[k : k + micro])
@@ -88,3 +100,23 @@ def reference_run(
         "images_per_second": (steps - warmup) * batch / (marks[steps] - marks[warmup]),
         "weights": state_dict_sha256(model.state_dict()),
     }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--warmup", type=int, default=10, help="steps before the timed ones")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("overrides", nargs="*", help="train.py overrides (after --)")
+    args = p.parse_args()
+    if not 0 < args.warmup < args.steps:
+        p.error("--warmup must be at least 1 and below --steps")
+    result = reference_run(args.overrides, args.steps, args.warmup, args.compile, args.device)
+    print(json.dumps(result))  # the last line: one JSON object (scripts/_results.run_json)
+
+
+if __name__ == "__main__":
+    main()

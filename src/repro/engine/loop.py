@@ -58,10 +58,10 @@ from repro.engine.dist import init as init_world
 from repro.engine.doctor import explain_nondeterministic_op
 from repro.engine.evaluation import check_task, evaluate_split
 from repro.engine.inference import choose_checkpoint, evaluate_checkpoint
+from repro.engine.nonfinite import FiniteGuard, Step
 from repro.engine.preemption import Preemption
 from repro.engine.reduction import Reducer, check_split, share
 from repro.engine.settle import LoaderChoice, Settled, resolve_device, settle
-from repro.engine.nonfinite import FiniteGuard, Step
 from repro.engine.step import NotFinite, train_step
 from repro.records.checkpoint import (
     Checkpointer,
