@@ -35,7 +35,13 @@ from torch import nn
 from repro.base.errors import ConfigError, DataError, ReproError
 from repro.base.rng import derive_seed
 from repro.base.world import World, barrier
-from repro.components.data import DataSplits, DeviceBatches, KeyedPipeline, make_train_loader
+from repro.components.data import (
+    DataSplits,
+    DeviceBatches,
+    InProcessBatches,
+    KeyedPipeline,
+    make_train_loader,
+)
 from repro.components.data.pipeline_check import check_pipelines
 from repro.components.tasks import Task
 from repro.defense.config import LOOP_KEYS, locate
@@ -305,7 +311,7 @@ def build_loader(
     start_step: int = 0,
     shard: tuple[int, int] | None = None,
     loader: DictConfig | None = None,
-) -> torch.utils.data.DataLoader | DeviceBatches:
+) -> torch.utils.data.DataLoader | InProcessBatches | DeviceBatches:
     """The training micro-batches from global step ``start_step`` on (``loader``: the
     settings :func:`choose_loader` chose, by default those of ``cfg.loader`` resolved; this
     rank's ``shard=(first, count)`` of each step under torchrun)."""

@@ -6,19 +6,20 @@ after every step keeps it, but the read waits for the step's kernels: the host c
 the next step while the GPU runs this one, which is what a small model's step is made of.
 
 :class:`FiniteGuard` keeps it without the wait. The steps run unchecked; the host reads their
-losses and gradient norms where it reads the device anyway (:meth:`FiniteGuard.due`: every
-``log_every`` steps, where the logs are written, and before anything that shows the state --
-an evaluation, a digest, a checkpoint, the last step, a stop). Until then it holds each
-step's loaded batches; at each read that finds every step finite it keeps a copy of the
-training state (:class:`Snapshot`). When a read finds step N not finite, it puts the copy
-back and trains again, from the same batches, the steps after the copy up to N - 1: the
+losses and gradient norms where it reads the device anyway (the loop's ``stop_if_diverged``:
+every ``log_every`` steps, where the logs are written, and before anything that shows the
+state -- an evaluation, a digest, a checkpoint, the last step, a stop). Until then it holds each
+step's loaded batches, and now and then, at a read that finds every step finite, it keeps a
+copy of the training state (:class:`Snapshot`). When a read finds step N not finite, it puts
+the copy back and trains again, from the same batches, the steps after the copy up to N - 1: the
 template's steps are deterministic, so this gives the bits the unchecked steps had (under
 ``determinism=fast`` a state of the same steps, not bit-equal). The loop then writes the
 checkpoint of step N - 1 and stops, as before, with nothing of step N or later applied,
 written or evaluated.
 
-It costs one copy of the weights, buffers and optimizer state, in memory beside them, and the
-loaded batches of at most ``log_every`` steps.
+It costs one copy of the weights, buffers and optimizer state, in memory beside them (taken
+every 100 steps or 256 MiB of batches, at a read), and the loaded batches since that copy
+(at most 256 MiB and one ``log_every`` block more).
 """
 
 from __future__ import annotations
@@ -82,14 +83,19 @@ class Step:
 
 
 class FiniteGuard:
-    """Holds the steps since the last read (:meth:`note`), reads them where the loop reads the
-    device anyway (:meth:`verify`), and on a step that is not finite brings the state back to
-    the step before it (module docstring).
+    """Holds the steps since the copy of the state (:meth:`note`), reads them where the loop
+    reads the device anyway (:meth:`verify`), and on a step that is not finite brings the
+    state back to the step before it (module docstring).
 
     ``replay(step, raw)`` trains step ``step`` (0-based) on its batches as loaded and returns
     its (loss, gradient norm), raising :class:`NotFinite` as the synchronous check does;
     ``loss_only``: under fp16 an infinite gradient is the GradScaler's business (it skips the
-    step), so only the loss is read."""
+    step), so only the loss is read. A new copy is taken at a read once the steps held since
+    the last one reach ``hold_steps`` or their batches ``hold_bytes``: a small model's state
+    is copied every hundred steps, not every ``log_every``, and the batches held stay small."""
+
+    HOLD_STEPS = 100
+    HOLD_BYTES = 1 << 28
 
     def __init__(
         self,
@@ -97,23 +103,30 @@ class FiniteGuard:
         start: int,
         replay: Callable[[int, list[Batch]], tuple[torch.Tensor, torch.Tensor]],
         loss_only: bool,
+        hold_steps: int = HOLD_STEPS,
+        hold_bytes: int = HOLD_BYTES,
     ) -> None:
         self.training, self.replay, self.loss_only = training, replay, loss_only
-        self.unread: list[Step] = []
+        self.hold_steps, self.hold_bytes = hold_steps, hold_bytes
+        self.held: list[Step] = []  # every step since the copy, in order
+        self.read = 0  # how many of them were read (all finite)
+        self.bytes = 0  # their batches' size
         self.snapshot = Snapshot(training, start)
 
     def note(self, step: Step) -> None:
-        self.unread.append(step)
+        self.held.append(step)
+        self.bytes += sum(t.numel() * t.element_size() for batch in step.raw for t in batch)
 
     def verify(self) -> Step | None:
-        """Read the steps since the last read. All finite: keep a copy of the state, and
-        None. Else the first step that is not, after the state is brought back to the step
-        before it (every rank at once: the values read are the reduced ones)."""
-        if not self.unread:
+        """Read the steps not read yet. All finite: None (and a new copy of the state, when
+        enough is held). Else the first step that is not, after the state is brought back to
+        the step before it (every rank at once: the values read are the reduced ones)."""
+        unread = self.held[self.read :]
+        if not unread:
             return None
         with span("repro.wait_finite"):  # the host synchronisation, once for the block
-            losses = torch.stack([s.loss.float() for s in self.unread]).tolist()
-            norms = torch.stack([s.grad_norm.float() for s in self.unread]).tolist()
+            losses = torch.stack([s.loss.float() for s in unread]).tolist()
+            norms = torch.stack([s.grad_norm.float() for s in unread]).tolist()
         bad = next(
             (
                 i
@@ -123,11 +136,13 @@ class FiniteGuard:
             None,
         )
         if bad is None:
-            self.snapshot = Snapshot(self.training, self.unread[-1].done)
-            self.unread.clear()
+            self.read = len(self.held)
+            if len(self.held) >= self.hold_steps or self.bytes >= self.hold_bytes:
+                self.snapshot = Snapshot(self.training, self.held[-1].done)
+                self.held, self.read, self.bytes = [], 0, 0
             return None
-        first = self.unread[bad]
-        redo, self.unread = self.unread[:bad], []
+        redo, first = self.held[: self.read + bad], unread[bad]
+        self.held, self.read, self.bytes = [], 0, 0
         return self._back_to_before(first, redo)
 
     def _back_to_before(self, first: Step, redo: list[Step]) -> Step:

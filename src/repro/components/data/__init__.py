@@ -63,6 +63,7 @@ from repro.components.data.intensity import Intensity
 from repro.components.data.loading import (
     DeviceBatches,
     DeviceNormalizer,
+    InProcessBatches,
     KeyedBatches,
     KeyedBatchSampler,
     loading,
@@ -114,6 +115,7 @@ __all__ = [
     "DataSplits",
     "DeviceBatches",
     "DeviceNormalizer",
+    "InProcessBatches",
     "KeyedBatchSampler",
     "KeyedBatches",
     "LazyImageMasks",

@@ -120,6 +120,24 @@ class KeyedBatchSampler:
             step += 1
 
 
+class InProcessBatches:
+    """``loader.num_workers=0`` (``loader=single``): the micro-batches fetched in this process
+    -- what a DataLoader without workers does, the same :meth:`KeyedBatches.fetch` of the
+    same keys (pinned for the copy to a GPU, as its ``pin_memory`` does) -- without the
+    DataLoader's per-batch machinery, which cost a small model's step more than the fetch
+    (about 30 us of 55 on the 2-core CPU)."""
+
+    def __init__(self, batches: KeyedBatches, sampler: KeyedBatchSampler, pin_memory: bool) -> None:
+        self.batches, self.sampler, self.pin_memory = batches, sampler, pin_memory
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for epoch, index in self.sampler.index_tensors(torch.device("cpu")):
+            images, targets = self.batches.fetch(epoch, index)
+            if self.pin_memory:
+                images, targets = images.pin_memory(), targets.pin_memory()
+            yield images, targets
+
+
 class DeviceBatches:
     """``loader=device``: the training split lives on the device and every micro-batch is
     cut there, with no worker processes: the same keys, draws and bytes as the DataLoader
@@ -224,11 +242,11 @@ def make_train_loader(
     shard: tuple[int, int] | None = None,
     device: torch.device | None = None,
     overfit_batch: bool = False,
-) -> DataLoader | DeviceBatches:
+) -> DataLoader | InProcessBatches | DeviceBatches:
     """The micro-batches of the training split (infinite; the loop counts):
     ``shard=(first, count)``: only those micro-batches of each step (this rank's share).
     A DataLoader whose every item is a whole micro-batch (:class:`KeyedBatches`, fetched in
-    ``loader.num_workers`` workers or in this process), or with ``loader.on_device``,
+    ``loader.num_workers`` workers), :class:`InProcessBatches` without workers, or with ``loader.on_device``,
     :class:`DeviceBatches` on ``device``. Either way ``.sampler`` is the
     :class:`KeyedBatchSampler`."""
     sampler = KeyedBatchSampler(
@@ -245,6 +263,8 @@ def make_train_loader(
         split = on_device(splits.train, pipeline.size, device or torch.device("cpu"))
         return DeviceBatches(KeyedBatches(split, pipeline), sampler)
     workers = int(loader_cfg.num_workers)
+    if workers == 0:
+        return InProcessBatches(KeyedBatches(splits.train, pipeline), sampler, pin_memory)
     extra = {}
     if workers > 0:
         extra["persistent_workers"] = bool(loader_cfg.persistent_workers)
@@ -265,7 +285,7 @@ def make_train_loader(
 
 
 @contextmanager
-def loading(loader: DataLoader | DeviceBatches) -> Iterator[Iterator]:
+def loading(loader: DataLoader | InProcessBatches | DeviceBatches) -> Iterator[Iterator]:
     """Iterate ``loader``; on the way out (the last step, an error, pre-emption) stop its
     worker processes. They ignore SIGTERM, which is the main process's to handle, so none may
     outlive the run: multiprocessing's exit handler sends them SIGTERM and then waits for
