@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 XDIST ?= -n $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) + 1 ))) --maxprocesses 6 --dist loadfile
 
 .DEFAULT_GOAL := help
-.PHONY: help install add new train test test-fast test-cuda mutations verify bench gpu-check report lint format clean distclean
+.PHONY: help install add new train test test-fast test-cuda test-gpu mutations verify bench gpu-check report lint format clean distclean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -76,6 +76,9 @@ test-fast: install ## the in-process tests only: for the edit-test loop
 
 test-cuda: install ## run only the CUDA-marked tests (on a GPU machine)
 	$(TEST_ENV) $(PY) -m pytest -m cuda $(PYTEST_ARGS)
+
+test-gpu: install ## on a GPU machine: the whole suite, CUDA tests included; its log into benchmarks/
+	PY=$(PY) XDIST="$(XDIST)" bash scripts/test_gpu.sh -- $(PYTEST_ARGS)
 
 mutations: install ## check that the tests catch the bugs listed in tests/README.md
 	$(PY) scripts/mutations.py $(ARGS)

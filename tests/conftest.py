@@ -80,6 +80,38 @@ def _temporary_files_in_the_session():
     )
 
 
+# what this process saw as the session began (the cuda marker's skip reads it too)
+_SEES_A_GPU = torch.cuda.is_available
+_VISIBLE = os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _on_the_cpu():
+    """The tests not marked ``cuda`` mean the CPU, on every machine: CI has no GPU, and a
+    lab's GPU workstation runs the same tests (``make test``) and must pass them. Their runs
+    see no GPU -- ``device=auto`` is the CPU, torchrun's ranks use gloo and ask for no GPU
+    each, a digest is compared with another CPU run's -- through ``CUDA_VISIBLE_DEVICES=""``
+    for the processes they start and ``torch.cuda.is_available()`` False in this one (whose
+    CUDA, if any, started with the session: the variable no longer changes it). Session-wide,
+    so that the runs shared through session fixtures are CPU runs too."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CUDA_VISIBLE_DEVICES", "")
+        patch.setattr(torch.cuda, "is_available", lambda: False)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _the_gpu_for_cuda_tests(request, monkeypatch):
+    """The GPU's own tests (marked ``cuda``; they skip without one) see it, in this process
+    and in those they start."""
+    if request.node.get_closest_marker("cuda") is not None:
+        monkeypatch.setattr(torch.cuda, "is_available", _SEES_A_GPU)
+        if _VISIBLE is None:
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", _VISIBLE)
+
+
 # The longest files first: `make test` gives each xdist worker whole files, in collection
 # order, so these start at once instead of finishing alone while the other workers idle
 # (test_resume.py is split in two for the same reason: one file of ~490 worker-seconds

@@ -102,10 +102,16 @@ def test_a_job_of_a_sweep_does_not_inherit_the_previous_jobs_threads(tmp_path):
         threads[path.parent.name] = next(
             e for e in entries if e["name"] == "torch intra-op threads"
         )
+    # what PyTorch gives a new interpreter here (the cores; this test process's own count is
+    # whatever the tests before it in this worker left)
+    fresh = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+        capture_output=True, text=True, check=True, env=user_env(),
+    ).stdout  # fmt: skip
+    if int(fresh) == 1:
+        pytest.skip("one core: PyTorch's own choice is the fixed count (1) too")
     assert threads["0_seed=0"]["value"] == 1
-    assert (
-        threads["1_seed=0"]["value"] == threads["1_seed=0"]["requested"] == torch.get_num_threads()
-    )
+    assert threads["1_seed=0"]["value"] == threads["1_seed=0"]["requested"] == int(fresh)
     assert torch.get_num_threads() != 1 or os.cpu_count() == 1  # else this test proves nothing
 
 

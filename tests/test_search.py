@@ -157,6 +157,7 @@ def test_confirm_takes_a_search_launched_with_run_control_keys(tmp_path):
 
 
 def test_search_presets_need_the_multirun_flag_and_their_experiment():
+    require("hydra_plugins.hydra_optuna_sweeper", "pip install -e '.[dev]'")  # said first
     with pytest.raises(ConfigError, match="add -m"):
         check_overrides(["hparams_search=convnet"], CONF_DIR, multirun=False)
     with pytest.raises(ConfigError, match="add experiment=segmentation"):

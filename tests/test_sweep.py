@@ -16,6 +16,7 @@ import scipy.stats as scipy_stats  # the dev extra's reference statistics
 
 import launch
 from conftest import ROOT, TINY, repro, train_cmd, user_env
+from optional import require
 from repro.tools.report import outliers, write_report
 from repro.tools.stats import mean_interval, t_quantile
 
@@ -134,6 +135,7 @@ def test_a_failed_job_that_said_why_gets_no_lines_from_hydra(basic, monkeypatch,
 def parallel(tmp_path_factory):
     """Two jobs at once (one round of the 2 joblib workers: a CI budget): lr 0.05, seeds 0
     and 1, the sequential sweep's first two jobs; another day's sweep, for the report."""
+    require("hydra_plugins.hydra_joblib_launcher", "pip install -e '.[dev]'")
     proc, sweep_dir = sweep(
         tmp_path_factory.mktemp("par"),
         "optim.lr=0.05",
@@ -153,6 +155,7 @@ def test_submitit_requeues_a_preempted_job_which_resumes_to_the_sequential_bits(
     """hydra/launcher=submitit_local (the SLURM launcher's local executor): each job gets
     the pre-emption notice (SIGUSR2) after step 3; it checkpoints there, submitit requeues
     it, and with trainer.resume=auto it resumes: the sequential sweep's bits, and a report."""
+    require("hydra_plugins.hydra_submitit_launcher", "pip install -e '.[dev]'")
     os.environ["REPRO_FAULT_KILL_AFTER_STEP"] = "3"  # the jobs inherit the sweep's
     os.environ["REPRO_FAULT_SIGNAL"] = "SIGUSR2"
     try:

@@ -176,15 +176,7 @@ def _train(
         batches = clock.timed(batches)  # the time the loop waits for the loader
         # read once: a DictConfig lookup costs microseconds, on every step of a small model
         eval_every, checkpoint_every = int(t.eval_every), int(t.checkpoint_every)
-        log_every = int(t.log_every)
-        guard = None  # trainer.on_nonfinite=stop: the steps are read where the host reads anyway
-        if t.on_nonfinite == "stop":
-            guard = FiniteGuard(
-                training,
-                start,
-                functools.partial(replay_step, training, normalize, first, reducer),
-                loss_only=training.precision.scaler.is_enabled(),
-            )
+        guard = finite_guard(run, training, start, normalize, first, reducer)
         upcoming = next_step_batches(batches, count, normalize)
         for step in range(start, max_steps):
             done = step + 1
@@ -210,12 +202,7 @@ def _train(
             clock.tick(done)
             if after_step is not None:
                 after_step(done, training.model)
-            if guard is not None and (
-                done % log_every == 0  # the logs read the block's values here
-                or tracer.digest_step(done)
-                or due(done, eval_every, max_steps)
-                or due(done, checkpoint_every, max_steps)
-            ):
+            if guard is not None and guard.reads_at(done, tracer):
                 stop_if_diverged(guard, run, checkpoints, logs, tracer)
             record.update(tracer.state(done, training.model))
             metrics = None
@@ -355,6 +342,28 @@ def save_before_stopping(
     tracer.check_pending()
     if run.world.main and checkpoints.last_saved != done:
         checkpoints.save(done, logs)
+
+
+def finite_guard(
+    run: Run,
+    training: Training,
+    start: int,
+    normalize: DeviceNormalizer,
+    first: int,
+    reducer: Reducer | None,
+) -> FiniteGuard | None:
+    """``trainer.on_nonfinite=stop``: the guard that reads the steps where the host reads the
+    device anyway (:mod:`repro.engine.nonfinite`); None for ``continue``."""
+    t = run.cfg.trainer
+    if t.on_nonfinite != "stop":
+        return None
+    return FiniteGuard(
+        training,
+        start,
+        functools.partial(replay_step, training, normalize, first, reducer),
+        loss_only=training.precision.scaler.is_enabled(),
+        every=(int(t.log_every), int(t.eval_every), int(t.checkpoint_every), int(t.max_steps)),
+    )
 
 
 def replay_step(

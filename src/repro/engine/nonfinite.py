@@ -90,7 +90,8 @@ class FiniteGuard:
     ``replay(step, raw)`` trains step ``step`` (0-based) on its batches as loaded and returns
     its (loss, gradient norm), raising :class:`NotFinite` as the synchronous check does;
     ``loss_only``: under fp16 an infinite gradient is the GradScaler's business (it skips the
-    step), so only the loss is read. A new copy is taken at a read once the steps held since
+    step), so only the loss is read. ``every``: the loop's ``(log_every, eval_every,
+    checkpoint_every, max_steps)``, where it reads the device (:meth:`reads_at`). A new copy is taken at a read once the steps held since
     the last one reach ``hold_steps`` or their batches ``hold_bytes``: a small model's state
     is copied every hundred steps, not every ``log_every``, and the batches held stay small."""
 
@@ -103,15 +104,29 @@ class FiniteGuard:
         start: int,
         replay: Callable[[int, list[Batch]], tuple[torch.Tensor, torch.Tensor]],
         loss_only: bool,
+        every: tuple[int, int, int, int] = (1, 0, 0, 0),
         hold_steps: int = HOLD_STEPS,
         hold_bytes: int = HOLD_BYTES,
     ) -> None:
         self.training, self.replay, self.loss_only = training, replay, loss_only
+        self.log_every, self.eval_every, self.checkpoint_every, self.max_steps = every
         self.hold_steps, self.hold_bytes = hold_steps, hold_bytes
         self.held: list[Step] = []  # every step since the copy, in order
         self.read = 0  # how many of them were read (all finite)
         self.bytes = 0  # their batches' size
         self.snapshot = Snapshot(training, start)
+
+    def reads_at(self, done: int, tracer: Any) -> bool:
+        """Does the loop read the device after step ``done`` anyway -- the logs' block
+        (``log_every``), a digest of the weights (``tracer``), an evaluation, a checkpoint,
+        the last step -- so that the steps are read there first?"""
+        return (
+            done % self.log_every == 0
+            or done == self.max_steps
+            or tracer.digest_step(done)
+            or bool(self.eval_every and done % self.eval_every == 0)
+            or bool(self.checkpoint_every and done % self.checkpoint_every == 0)
+        )
 
     def note(self, step: Step) -> None:
         self.held.append(step)
