@@ -174,9 +174,9 @@ def _train(
         preemption = Preemption(signals, world, max_steps)
         clock = Throughput(start, max_steps, training.batch_size, run.device)
         batches = clock.timed(batches)  # the time the loop waits for the loader
-        # read once: a DictConfig lookup costs microseconds, on every step of a small model
-        eval_every, checkpoint_every = int(t.eval_every), int(t.checkpoint_every)
-        guard = finite_guard(run, training, start, normalize, first, reducer)
+        eval_every, checkpoint_every = int(t.eval_every), int(t.checkpoint_every)  # read once
+        replay = (run, training, data, settled.loader.cfg, normalize, (first, count), reducer)
+        guard = finite_guard(run, training, start, functools.partial(replay_steps, *replay))
         upcoming = next_step_batches(batches, count, normalize)
         for step in range(start, max_steps):
             done = step + 1
@@ -198,7 +198,7 @@ def _train(
                 explain_nondeterministic_op(err, training, *micro[0])  # one line if so
                 raise
             if guard is not None:
-                guard.note(Step(done, loss, grad_norm, lr, dict(record), raw))
+                guard.note(Step(done, loss, grad_norm, lr, dict(record)))
             clock.tick(done)
             if after_step is not None:
                 after_step(done, training.model)
@@ -345,12 +345,7 @@ def save_before_stopping(
 
 
 def finite_guard(
-    run: Run,
-    training: Training,
-    start: int,
-    normalize: DeviceNormalizer,
-    first: int,
-    reducer: Reducer | None,
+    run: Run, training: Training, start: int, replay: Callable[[list[int]], None]
 ) -> FiniteGuard | None:
     """``trainer.on_nonfinite=stop``: the guard that reads the steps where the host reads the
     device anyway (:mod:`repro.engine.nonfinite`); None for ``continue``."""
@@ -360,24 +355,31 @@ def finite_guard(
     return FiniteGuard(
         training,
         start,
-        functools.partial(replay_step, training, normalize, first, reducer),
+        replay,
         loss_only=training.precision.scaler.is_enabled(),
         every=(int(t.log_every), int(t.eval_every), int(t.checkpoint_every), int(t.max_steps)),
     )
 
 
-def replay_step(
+def replay_steps(
+    run: Run,
     training: Training,
+    data: DataSplits,
+    loader_cfg: DictConfig,
     normalize: DeviceNormalizer,
-    first: int,
+    share: tuple[int, int],
     reducer: Reducer | None,
-    step: int,
-    raw: list[tuple[torch.Tensor, torch.Tensor]],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step ``step`` again, on its batches as loaded (:class:`FiniteGuard`'s replay), checked
-    at once."""
-    micro = [normalize(*b) for b in raw]
-    return train_step(training, micro, step, first=first, reducer=reducer, stop_if_not_finite=True)
+    steps: list[int],
+) -> None:
+    """Train ``steps`` (consecutive, 0-based) again, each checked at once
+    (:class:`FiniteGuard`'s replay): their batches from a loader started at the first, as a
+    resume starts one -- the same keys, the same bytes."""
+    first, count = share
+    loader = build_loader(run.cfg, data, run.device, steps[0], share, loader_cfg)
+    with loading(loader) as batches:
+        for step in steps:
+            _, micro = next_step_batches(batches, count, normalize)
+            train_step(training, micro, step, first=first, reducer=reducer, stop_if_not_finite=True)
 
 
 def stop_if_diverged(

@@ -6,27 +6,27 @@ after every step keeps it, but the read waits for the step's kernels: the host c
 the next step while the GPU runs this one, which is what a small model's step is made of.
 
 :class:`FiniteGuard` keeps it without the wait. The steps run unchecked; the host reads their
-losses and gradient norms where it reads the device anyway (the loop's ``stop_if_diverged``:
+losses and gradient norms where it reads the device anyway (:meth:`FiniteGuard.reads_at`:
 every ``log_every`` steps, where the logs are written, and before anything that shows the
-state -- an evaluation, a digest, a checkpoint, the last step, a stop). Until then it holds each
-step's loaded batches, and now and then, at a read that finds every step finite, it keeps a
-copy of the training state (:class:`Snapshot`). When a read finds step N not finite, it puts
-the copy back and trains again, from the same batches, the steps after the copy up to N - 1: the
-template's steps are deterministic, so this gives the bits the unchecked steps had (under
-``determinism=fast`` a state of the same steps, not bit-equal). The loop then writes the
-checkpoint of step N - 1 and stops, as before, with nothing of step N or later applied,
-written or evaluated.
+state -- an evaluation, a digest, a checkpoint, the last step, a stop). Now and then, at a
+read that finds every step finite, it keeps a copy of the training state (:class:`Snapshot`).
+When a read finds step N not finite, it puts the copy back and trains again the steps after
+the copy up to N - 1, on their batches loaded again (the loader starts at any step, as for a
+resume): the template's steps are deterministic, so this gives the bits the unchecked steps
+had (under ``determinism=fast`` a state of the same steps, not bit-equal). The loop then
+writes the checkpoint of step N - 1 and stops, as before, with nothing of step N or later
+applied, written or evaluated.
 
-It costs one copy of the weights, buffers and optimizer state, in memory beside them (taken
-every 100 steps or 256 MiB of batches, at a read), and the loaded batches since that copy
-(at most 256 MiB and one ``log_every`` block more).
+It costs a copy of the weights, buffers and optimizer state, in memory beside them, taken
+every ``HOLD_STEPS`` steps (at a read); nothing a step, and no batch is held. A run that
+diverges trains up to ``HOLD_STEPS`` + ``log_every`` steps again before it stops.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +36,6 @@ from repro.base.progress import span
 from repro.engine.build import Training
 from repro.engine.step import NotFinite
 from repro.records.checkpoint import restore_training, training_state
-
-Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 class Snapshot:
@@ -71,15 +69,14 @@ def _copied(value: Any) -> Any:
 
 @dataclass
 class Step:
-    """A step not read yet: its loss and gradient norm (device tensors), learning rate, trace
-    record as the step left it (the input digests), and its batches as loaded."""
+    """A step not read yet: its loss and gradient norm (device tensors), learning rate, and
+    trace record as the step left it (the input digests)."""
 
     done: int
     loss: torch.Tensor
     grad_norm: torch.Tensor
     lr: float
     record: dict[str, Any]
-    raw: list[Batch] = field(repr=False)
 
 
 class FiniteGuard:
@@ -87,33 +84,29 @@ class FiniteGuard:
     reads the device anyway (:meth:`verify`), and on a step that is not finite brings the
     state back to the step before it (module docstring).
 
-    ``replay(step, raw)`` trains step ``step`` (0-based) on its batches as loaded and returns
-    its (loss, gradient norm), raising :class:`NotFinite` as the synchronous check does;
+    ``replay(steps)`` trains the given steps (0-based, consecutive) again, on their batches
+    loaded again, raising :class:`NotFinite` (its ``step`` set) as the synchronous check does;
     ``loss_only``: under fp16 an infinite gradient is the GradScaler's business (it skips the
     step), so only the loss is read. ``every``: the loop's ``(log_every, eval_every,
-    checkpoint_every, max_steps)``, where it reads the device (:meth:`reads_at`). A new copy is taken at a read once the steps held since
-    the last one reach ``hold_steps`` or their batches ``hold_bytes``: a small model's state
-    is copied every hundred steps, not every ``log_every``, and the batches held stay small."""
+    checkpoint_every, max_steps)``, where it reads the device (:meth:`reads_at`). A new copy
+    is taken at a read once ``hold_steps`` steps were read since the last one."""
 
     HOLD_STEPS = 100
-    HOLD_BYTES = 1 << 28
 
     def __init__(
         self,
         training: Training,
         start: int,
-        replay: Callable[[int, list[Batch]], tuple[torch.Tensor, torch.Tensor]],
+        replay: Callable[[list[int]], None],
         loss_only: bool,
         every: tuple[int, int, int, int] = (1, 0, 0, 0),
         hold_steps: int = HOLD_STEPS,
-        hold_bytes: int = HOLD_BYTES,
     ) -> None:
         self.training, self.replay, self.loss_only = training, replay, loss_only
         self.log_every, self.eval_every, self.checkpoint_every, self.max_steps = every
-        self.hold_steps, self.hold_bytes = hold_steps, hold_bytes
+        self.hold_steps = hold_steps
         self.held: list[Step] = []  # every step since the copy, in order
         self.read = 0  # how many of them were read (all finite)
-        self.bytes = 0  # their batches' size
         self.snapshot = Snapshot(training, start)
 
     def reads_at(self, done: int, tracer: Any) -> bool:
@@ -130,12 +123,12 @@ class FiniteGuard:
 
     def note(self, step: Step) -> None:
         self.held.append(step)
-        self.bytes += sum(t.numel() * t.element_size() for batch in step.raw for t in batch)
 
     def verify(self) -> Step | None:
         """Read the steps not read yet. All finite: None (and a new copy of the state, when
-        enough is held). Else the first step that is not, after the state is brought back to
-        the step before it (every rank at once: the values read are the reduced ones)."""
+        enough steps were read since the last one). Else the first step that is not, after
+        the state is brought back to the step before it (every rank at once: the values read
+        are the reduced ones)."""
         unread = self.held[self.read :]
         if not unread:
             return None
@@ -152,12 +145,12 @@ class FiniteGuard:
         )
         if bad is None:
             self.read = len(self.held)
-            if len(self.held) >= self.hold_steps or self.bytes >= self.hold_bytes:
+            if len(self.held) >= self.hold_steps:
                 self.snapshot = Snapshot(self.training, self.held[-1].done)
-                self.held, self.read, self.bytes = [], 0, 0
+                self.held, self.read = [], 0
             return None
         redo, first = self.held[: self.read + bad], unread[bad]
-        self.held, self.read, self.bytes = [], 0, 0
+        self.held, self.read = [], 0
         return self._back_to_before(first, redo)
 
     def _back_to_before(self, first: Step, redo: list[Step]) -> Step:
@@ -166,10 +159,11 @@ class FiniteGuard:
         perhaps an earlier one), its values as computed."""
         with span("repro.replay"):
             self.snapshot.restore(self.training)
-            for step in redo:
-                try:
-                    self.replay(step.done - 1, step.raw)
-                except NotFinite as bad:  # determinism=fast: not the bits it had
-                    step.loss, step.grad_norm = bad.loss, bad.grad_norm
-                    return step
+            try:
+                if redo:
+                    self.replay([s.done - 1 for s in redo])
+            except NotFinite as bad:  # determinism=fast: not the bits it had
+                step = next(s for s in redo if s.done - 1 == bad.step)
+                step.loss, step.grad_norm = bad.loss, bad.grad_norm
+                return step
         return first

@@ -15,11 +15,12 @@ from repro.engine.reduction import Reducer, add_partials, tree_reduce
 
 
 class NotFinite(Exception):
-    """The step's loss or gradient norm is inf or NaN; nothing of the step was applied."""
+    """Step ``step`` (0-based)'s loss or gradient norm is inf or NaN; nothing of the step was
+    applied."""
 
-    def __init__(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+    def __init__(self, loss: torch.Tensor, grad_norm: torch.Tensor, step: int = -1) -> None:
         super().__init__(f"loss {float(loss)}, gradient norm {float(grad_norm)}")
-        self.loss, self.grad_norm = loss, grad_norm
+        self.loss, self.grad_norm, self.step = loss, grad_norm, step
 
 
 def train_step(
@@ -91,7 +92,7 @@ def train_step(
             finite = bool(finite)
         if not finite:
             training.optimizer.zero_grad(set_to_none=True)
-            raise NotFinite(loss, grad_norm)
+            raise NotFinite(loss, grad_norm, step)
     if training.clip_grad_norm is not None:  # torch.nn.utils.clip_grad_norm_'s formula
         coef = torch.clamp(training.clip_grad_norm / (grad_norm + 1e-6), max=1.0)
         torch._foreach_mul_(grads, coef)  # the global norm of the reduced gradients: any W
