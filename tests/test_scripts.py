@@ -263,6 +263,67 @@ def test_the_reference_loop_repeats_its_bits():
     assert a["weights"] == b["weights"] and a["images_per_second"] > 0
 
 
+def test_the_reference_loops_native_patches_are_windows_of_their_images_turned_and_flipped(
+    tmp_path,
+):
+    """benchmark.py --reference's hand loop for experiment=segmentation_native cuts every
+    patch in one gather (NativePatches): each mask patch must be one of the 8 flips and turns
+    of a window of its own mask (the image moves with it); and the loop repeats its bits."""
+    import importlib.util
+
+    import torch
+
+    from repro.components.data.synthetic import write_nuclei_folder
+
+    spec = importlib.util.spec_from_file_location(
+        "reference_loop", ROOT / "scripts" / "reference_loop.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    masks = [torch.arange(h * w).view(h, w) + o for h, w, o in ((9, 12, 0), (14, 8, 1000))]
+    images = [m[None].float() * 2 for m in masks]
+
+    class Split:  # what NativePatches reads of a split: its length and fetch
+        def __len__(self):
+            return 2
+
+        def fetch(self, index):
+            return images, masks
+
+    split = Split()
+    patches = module.NativePatches(split, 5, torch.device("cpu"), torch.Generator().manual_seed(0))
+    x, y = patches.batch(64)
+    assert x.shape == (64, 1, 5, 5) and y.shape == (64, 5, 5)
+    seen = set()
+    for patch in y:
+        k = next(k for k, m in enumerate(masks) if int(patch[0, 0]) in m)  # its image
+        r, c = ((masks[k] == patch.min()).nonzero()[0]).tolist()  # the window's corner
+        turns = [torch.rot90(patch, t).flip(f) if f else torch.rot90(patch, t)
+                 for t in range(4) for f in ((), (-1,))]  # fmt: skip
+        window = masks[k][r : r + 5, c : c + 5]
+        assert any(torch.equal(t, window) for t in turns), patch
+        seen.add(next(i for i, t in enumerate(turns) if torch.equal(t, window)))
+    assert len(seen) == 8  # every flip and turn drawn
+    folder = tmp_path / "nuclei"
+    write_nuclei_folder(folder, 20, 0, (40, 60))
+    native = ["experiment=segmentation_native", f"data.path={folder}", "data.num_classes=3",
+              "data.channels=1", "data.image_size=32", "model.width=4", "amp=off",
+              "trainer.batch_size=4", "trainer.micro_batch_size=4"]  # fmt: skip
+    a, b = (module.reference_run(native, 3, 1, compiled=False, device="cpu") for _ in range(2))
+    assert a["weights"] == b["weights"] and a["images_per_second"] > 0
+
+
+@pytest.mark.e2e
+def test_step_overhead_writes_the_pairs_and_their_median(tmp_path):
+    run_script("step_overhead.py", "--repeats", "2", "--steps", "30", "--no-default-run",
+               "--out", str(tmp_path))  # fmt: skip
+    text = next(tmp_path.glob("step-overhead-*.md")).read_text()
+    assert text.count("| 1 |") == 1 and text.count("| 2 |") == 1
+    record = json.loads(next(tmp_path.glob("step-overhead-*.json")).read_text())
+    assert len(record["pairs"]) == 2 and record["median_ratio"] > 0
+    assert all(p["template"] > 0 and p["hand"] > 0 for p in record["pairs"])
+
+
 @pytest.mark.e2e
 def test_the_reference_benchmark_without_a_gpu_is_one_line():
     import torch
