@@ -217,17 +217,48 @@ def repro(*args: object, cwd: Path | None = None) -> subprocess.CompletedProcess
 
 
 def train_cmd(*overrides: str, nproc: int | None = None) -> list[str]:
-    """``python train.py ...``; with ``nproc``, under ``torchrun --nproc_per_node=nproc``."""
+    """``python train.py ...`` (on one thread: :func:`one_thread`); with ``nproc``, under
+    ``torchrun --nproc_per_node=nproc``."""
     launcher = (
         ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
         if nproc
         else []
     )
-    return [sys.executable, *launcher, str(ROOT / "train.py"), *overrides]
+    return [sys.executable, *launcher, str(ROOT / "train.py"), *one_thread(overrides)]
 
 
-def _loader_chosen(overrides) -> bool:
-    return any(o.startswith(("loader=", "+loader=", "~loader")) for o in overrides)
+def _chosen(overrides, *keys: str) -> bool:
+    return any(o.lstrip("+~").startswith(keys) for o in overrides)
+
+
+def one_thread(overrides) -> tuple[str, ...]:
+    """``overrides`` with ``determinism.cpu_threads=1`` unless they choose the thread count or
+    ``determinism=fast`` (PyTorch's own count): every ``python train.py`` a test starts
+    (:func:`train_cmd`) and every run it trains in this process.
+
+    Strict's 2 threads on the 2-core CI machine, where the test workers already outnumber the
+    cores, make the same run about 1.3 times as long (tests/README.md). A run's bits depend
+    on its thread count, and a test compares its runs with each other, so they all use one.
+    What two threads in the main process change (per-sample work runs on one thread in
+    every process: docs/determinism.md) is test_threads.py's, which chooses them."""
+    overrides = tuple(overrides)
+    if _chosen(overrides, "determinism.cpu_threads", "determinism=fast"):
+        return overrides
+    # among the overrides, not before a flag such as -m (argparse takes them in one run)
+    at = next((i for i, o in enumerate(overrides) if "=" in o and o[0] != "-"), len(overrides))
+    return (*overrides[:at], "determinism.cpu_threads=1", *overrides[at:])
+
+
+def run_defaults(overrides) -> tuple[str, ...]:
+    """What a test's run uses where the test does not say (``run_train``, ``train_here``):
+    one thread (:func:`one_thread`) and the main process's loader. The default loader starts
+    2 worker processes (about 0.8 s a run here); the bits do not depend on them (test_data,
+    test_train, test_resume, test_dist prove it), so a test that does not choose a loader
+    loads in the main process."""
+    overrides = one_thread(overrides)
+    if not _chosen(overrides, "loader"):
+        overrides = ("loader=single", *overrides)
+    return overrides
 
 
 def run_train(
@@ -239,11 +270,7 @@ def run_train(
     nproc: int | None = None,
 ) -> Run:
     """``python train.py hydra.run.dir=RUN_DIR ...`` in a subprocess."""
-    if not _loader_chosen(overrides):
-        # The default loader starts 2 worker processes (about 0.8 s a run here); the bits do
-        # not depend on them (test_data, test_train, test_resume, test_dist prove it), so a
-        # test that does not choose a loader loads in the main process.
-        overrides = ("loader=single", *overrides)
+    overrides = run_defaults(overrides)
     proc = launch.run(
         train_cmd(f"hydra.run.dir={run_dir}", *overrides, nproc=nproc),
         cwd=cwd or run_dir.parent,
@@ -289,8 +316,7 @@ def train_here(run_dir: Path, *overrides: str, after_step=None, conf_dir: Path =
     from repro.defense.config import compose
     from repro.engine.loop import train
 
-    if not _loader_chosen(overrides):
-        overrides = ("loader=single", *overrides)
+    overrides = run_defaults(overrides)
     cfg = compose(list(overrides), conf_dir)
     logger, records = logging.getLogger("repro"), _Records()
     level = logger.level

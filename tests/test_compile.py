@@ -5,7 +5,7 @@ backend; the CUDA tests are in test_cuda.py)."""
 import pytest
 import torch
 
-from conftest import SMALL_DATA, train_here
+from conftest import SMALL_DATA, run_defaults, train_here
 from repro.base.errors import CheckpointError, ConfigError
 from repro.tools.compare import compare_dirs
 
@@ -112,7 +112,7 @@ def test_channels_last_repeats_with_any_loader_and_is_recorded(tmp_path):
     from repro.defense.config import compose
     from repro.engine.inference import evaluate_checkpoint
 
-    cfg = compose([*TINY, "loader=single"])
+    cfg = compose(run_defaults(TINY))  # the run's
     got = evaluate_checkpoint(cfg, single.dir / "checkpoint.pt", torch.device("cpu"), "val")
     assert got["metrics"]["val_loss"] == single.summary["val_loss"]
 
@@ -129,7 +129,7 @@ def test_channels_last_auto_is_recorded_as_the_format_it_chose(eager):
     assert eager.entry("memory format")["value"] == "contiguous"
     assert eager.entry("memory format")["note"] == "auto: not on CUDA"
     assert eager.summary["config_hash"] == config_hash(
-        compose([*TINY, "loader=single", "trainer.channels_last=false"])  # train_here's loader
+        compose(run_defaults([*TINY, "trainer.channels_last=false"]))  # as train_here
     )
 
 

@@ -15,6 +15,7 @@ from conftest import (
     SMALL_DATA,
     TRACED,
     preserved_global_state,
+    run_defaults,
     train_here,
     user_env,
 )
@@ -33,6 +34,7 @@ TESTED = [
     *SMALL_DATA,
     "model.width=8",
     "loader=single",
+    "determinism.cpu_threads=1",  # as every test's run (conftest.run_defaults)
 ]
 
 
@@ -130,7 +132,7 @@ def test_a_grayscale_folder_run_records_its_class_names_and_predict_writes_them(
     assert run.summary["class_names"] == ["cat", "dog"]
     weights = torch.load(run.dir / "checkpoint.pt", weights_only=True)["model"]
     assert next(w for w in weights.values() if w.dim() == 4).shape[1] == 1  # one channel in
-    cfg = compose([*args, "model.width=8"], ROOT / "conf")
+    cfg = compose(run_defaults([*args, "model.width=8"]), ROOT / "conf")  # the run's
     out = tmp_path / "predictions.csv"
     predict(cfg, run.dir / "checkpoint.pt", torch.device("cpu"), tmp_path / "images", out)
     with open(out) as f:
@@ -166,7 +168,7 @@ def test_segmentation_predictions_are_masks_and_repeat(tmp_path):
         "data.image_size=32",
     ]
     run = train_here(tmp_path / "run", *seg)
-    cfg = compose(seg, ROOT / "conf")
+    cfg = compose(run_defaults(seg), ROOT / "conf")  # the run's
     inputs = tmp_path / "inputs"
     write_images(inputs, synthetic_shapes(train_size=1, val_size=3, image_size=32).val.images)
     outs = [tmp_path / "a", tmp_path / "b"]

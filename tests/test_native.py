@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import Run, cuda, train_here
+from conftest import Run, cuda, run_defaults, train_here
 from repro.base.errors import ConfigError, DataError
 from repro.components.data.synthetic import write_nuclei_folder
 from repro.defense.config import compose
@@ -126,7 +126,7 @@ def nuclei(tmp_path_factory):
 def native_run(nuclei, tmp_path_factory) -> Run:
     """The native run, trained here, with the launch record train.py would write (which
     repro predict and evaluate compose the run's config from)."""
-    overrides = ["loader=single", *NATIVE, f"data.path={nuclei}"]
+    overrides = list(run_defaults([*NATIVE, f"data.path={nuclei}"]))
     run = train_here(tmp_path_factory.mktemp("native") / "run", *overrides)
     (run.dir / ".hydra").mkdir()
     (run.dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))

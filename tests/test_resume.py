@@ -27,6 +27,7 @@ from conftest import (
     ROOT,
     SMALL_DATA,
     Run,
+    one_thread,
     train_cmd,
     train_here,
     user_env,
@@ -378,7 +379,7 @@ def test_a_crash_between_write_and_rename_leaves_the_previous_checkpoint(straigh
         "runpy.run_path(sys.argv[0], run_name='__main__')\n"
     )
     proc = launch.run(
-        [sys.executable, "-c", crash, f"hydra.run.dir={run_dir}", *overrides],
+        [sys.executable, "-c", crash, f"hydra.run.dir={run_dir}", *one_thread(overrides)],
         env=user_env(),
         capture_output=True,
         text=True,
@@ -549,7 +550,7 @@ def test_sigusr2_is_handed_to_a_launcher_that_listens_after_the_checkpoint(strai
     )
     overrides = SCENARIOS["mid-epoch"]
     proc = launch.popen(
-        [sys.executable, "-c", launcher, f"hydra.run.dir={run_dir}", *overrides],
+        [sys.executable, "-c", launcher, f"hydra.run.dir={run_dir}", *one_thread(overrides)],
         env=user_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

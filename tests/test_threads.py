@@ -226,8 +226,11 @@ def test_what_a_transform_reads_of_its_process_is_the_same_in_every_loader():
 def same_weights(tmp_path, *overrides: str) -> None:
     """``overrides`` trained with ``loader=single`` (the main process, 2 threads) and with
     ``loader=multi`` (2 workers, 1 thread each): one weights digest, one loss a step."""
-    single = train_here(tmp_path / "single", *overrides, "loader=single")
-    multi = train_here(tmp_path / "multi", *overrides, "loader=multi", "loader.num_workers=2")
+    threads = "determinism.cpu_threads=2"  # strict's own (the tests' runs use 1: conftest)
+    single = train_here(tmp_path / "single", *overrides, threads, "loader=single")
+    multi = train_here(
+        tmp_path / "multi", *overrides, threads, "loader=multi", "loader.num_workers=2"
+    )
     assert (multi.dir / "trace.jsonl").read_text() == (single.dir / "trace.jsonl").read_text()
     assert multi.summary["weights_sha256"] == single.summary["weights_sha256"]
 
