@@ -193,6 +193,38 @@ def test_range_and_relation_errors_name_the_key(overrides, key):
     assert key in message and "\n" not in message
 
 
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["trainer.checkpoint_name=/tmp/elsewhere.pt"], "trainer.checkpoint_name"),
+        (["trainer.checkpoint_name=../../x.pt"], "trainer.checkpoint_name"),
+        (["trainer.checkpoint_name=sub/../../x.pt"], "trainer.checkpoint_name"),
+        (["trainer.checkpoint_name='~/x.pt'"], "trainer.checkpoint_name"),
+        (["trainer.checkpoint_name=."], "trainer.checkpoint_name"),
+        (["trainer.checkpoint_name=summary.json"], "trainer.checkpoint_name"),
+        (["trainer.checkpoint_name=checkpoints/step-00000010.pt"], "trainer.checkpoint_name"),
+        (["trainer.checkpoint_name=.hydra/config.yaml"], "trainer.checkpoint_name"),
+        (["logger=tensorboard", "logger.tensorboard.subdir=/tmp/tb"], "logger.tensorboard.subdir"),
+        (["logger=tensorboard", "logger.tensorboard.subdir=../tb"], "logger.tensorboard.subdir"),
+    ],
+)
+def test_a_file_the_run_writes_is_named_inside_its_directory(overrides, key):
+    """A received run's recorded overrides (``repro rerun``) cannot write outside the run
+    directory or over its records: refused in one line before anything is built."""
+    with pytest.raises(ConfigError) as err:
+        validate(cfg(*overrides))
+    message = str(err.value)
+    assert message.startswith(f"config error: {key}=") and "\n" not in message
+    assert "inside the run directory" in message
+
+
+@pytest.mark.parametrize(
+    "override", ["trainer.checkpoint_name=final.pt", "trainer.checkpoint_name=out/final.pt"]
+)
+def test_a_relative_name_in_the_run_directory_is_accepted(override):
+    validate(cfg(override))
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     "override, expected",

@@ -40,6 +40,22 @@ OVERRIDES_FILE = f"{LAUNCH_DIR}/overrides.yaml"  # what the launch overrode (tru
 LOG_FILE = "train.log"  # Hydra's job log (opened at its first line)
 # What only a run of this project leaves: a directory holding one of these is a run.
 RUN_MARKERS = (LAUNCH_DIR, "determinism.json", ENV_FILE, TRACE_FILE, CHECKPOINT_DIR, SUMMARY_FILE)
+# The names of the run's own records: a file a config names in the run directory
+# (trainer.checkpoint_name, a logger's folder) is none of them, nor under one of them
+RUN_RECORDS = (
+    *RUN_MARKERS,
+    "determinism.txt",
+    METRICS_FILE,
+    EVAL_FILE,
+    ERROR_FILE,
+    TEST_FILE,
+    VAL_PER_SAMPLE_FILE,
+    TEST_PER_SAMPLE_FILE,
+    BEST_FILE,
+    LOGGERS_FILE,
+    LOCK_FILE,
+    LOG_FILE,
+)
 
 
 def finite_or_null(obj: Any) -> Any:

@@ -261,6 +261,31 @@ def _fail(key: str, value: Any, allowed: str) -> None:
     raise ConfigError(f"config error: {key}={value!r} is invalid; allowed: {allowed}.")
 
 
+def _a_name_in_the_run(key: str, value: Any, example: str) -> None:
+    """A file or folder the run writes, named by the config, stays inside its run directory
+    and is none of the run's own records: a received run's overrides (``repro rerun``)
+    cannot write elsewhere (docs/trust.md). Checked before anything is built."""
+    from pathlib import PurePosixPath
+
+    from repro.base.files import RUN_RECORDS
+
+    text = str(value)
+    parts = PurePosixPath(text.replace("\\", "/")).parts
+    if (
+        not parts
+        or PurePosixPath(text).is_absolute()
+        or text.startswith("~")
+        or any(p in ("..", ".") for p in parts)
+        or parts[0] in RUN_RECORDS
+    ):
+        _fail(
+            key,
+            value,
+            f"a relative name inside the run directory (e.g. {example}): no absolute path, "
+            "no '..', none of the run's own records",
+        )
+
+
 def validate(cfg: DictConfig) -> None:
     """Range and relation checks the type system cannot express. Raises :class:`ConfigError`."""
     for group in cfg:
@@ -339,6 +364,7 @@ MAX_STEPS = 99_999_999
 
 
 def _validate_trainer(t: DictConfig) -> None:
+    _a_name_in_the_run("trainer.checkpoint_name", t.checkpoint_name, "checkpoint.pt")
     if not 1 <= t.max_steps <= MAX_STEPS:
         _fail(
             "trainer.max_steps",
@@ -670,6 +696,8 @@ def _validate_loggers(node: Any) -> None:
                 "of repro.records.loggers.Logger (docs/extending.md, 'A logger')."
             )
         _check_arguments(f"logger.{name}", entry, target)
+        if "subdir" in entry:  # the folder a logger writes into (tensorboard)
+            _a_name_in_the_run(f"logger.{name}.subdir", entry.subdir, "tensorboard")
         module, extra = target.requires or (None, None)
         if module is not None and importlib.util.find_spec(module) is None:
             raise MissingPackage(
