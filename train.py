@@ -35,9 +35,9 @@ CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float:
+    from repro.base.files import atomic_write
     from repro.engine.dist import explain_timeout, launched_world, record_elastic_run, shutdown
     from repro.engine.loop import train
-    from repro.records.checkpoint import atomic_write
 
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)

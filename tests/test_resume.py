@@ -608,7 +608,7 @@ def test_a_preemption_signal_before_the_first_step_exits_75_with_a_line(phase, t
 
 
 def test_a_write_that_finds_the_disk_full_names_the_file(tmp_path):
-    from repro.records.checkpoint import atomic_write
+    from repro.base.files import atomic_write
     from repro.records.rundir import disk_error
 
     def full(f):

@@ -5,13 +5,16 @@ its files are opened to append, never through a link (:func:`open_run_file`); an
 directory is named on a command line (:func:`resume_command`)."""
 
 import errno
+import io
 import json
 import math
 import os
 import re
 import shlex
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, BinaryIO
 
 from repro.base.errors import ConfigError, ReproError
 
@@ -127,6 +130,67 @@ def link_refused(path: str | Path) -> ConfigError:
     return ConfigError(
         f"{path} is a symbolic link; a run's files are never written through links: remove it."
     )
+
+
+def atomic_write(
+    path: Path,
+    write: Callable[[BinaryIO], Any],
+    before_replace: Callable[[], Any] | None = None,
+) -> None:
+    """Write through a temporary file in the same folder, fsync it, then rename over ``path``
+    (``before_replace``, if given, is called just before the rename).
+
+    A crash at any moment leaves either the old file or the new one, never half of one. An
+    error names ``path`` (a full disk met by ``write`` names no file of its own)."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as err:
+        raise _naming(err, path) from None
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give what open() would
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        if before_replace is not None:
+            before_replace()
+        os.replace(tmp, path)
+    except BaseException as err:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            raise _naming(err, path) from None
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+
+
+def _naming(err: OSError, path: Path) -> OSError:
+    """``err`` naming the file being written, not a temporary name or none at all."""
+    return OSError(err.errno, err.strerror or str(err), str(path))
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_file(path: Path, text: str) -> None:
+    """``text`` into ``path`` whole, through a temporary file renamed into place: a link
+    found at ``path`` is replaced by the file, what it leads to is left as it was."""
+    atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """A matplotlib figure as a PNG at ``path``, written as :func:`write_file` writes."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    atomic_write(path, lambda f: f.write(buffer.getvalue()))
 
 
 def open_run_file(path: str | Path, mode: str = "a", **kwargs: Any) -> IO[Any]:

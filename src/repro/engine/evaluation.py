@@ -56,7 +56,7 @@ class Evaluation:
         """``<split>_per_image.csv``: a row per sample, ``sample`` (its name) then the
         task's columns and its headline scores (``step`` first when given); atomically
         replaced."""
-        from repro.records.checkpoint import atomic_write
+        from repro.base.files import atomic_write
 
         if self.samples is None:
             return

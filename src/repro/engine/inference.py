@@ -307,7 +307,7 @@ def _write_probabilities(
 ) -> None:
     """``file, prediction[, class], p0, p1...``: ``class`` is the predicted class's name when
     the dataset names its classes (an image folder's sub-folders)."""
-    from repro.records.checkpoint import atomic_write
+    from repro.base.files import atomic_write
 
     named = classes is not None and len(classes) == probs.shape[1]
     header = ["file", "prediction", *(["class"] if named else [])]
@@ -339,8 +339,8 @@ class MaskWriter:
 
         import numpy as np
 
+        from repro.base.files import atomic_write
         from repro.components.data.folders import _pillow
-        from repro.records.checkpoint import atomic_write
 
         Image = _pillow()
         if int(logits.shape[0]) > 256:

@@ -24,16 +24,15 @@ import math
 import os
 import pickle
 import re
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from repro.base.errors import CheckpointError
-from repro.base.files import BEST_FILE, CHECKPOINT_DIR
+from repro.base.files import BEST_FILE, CHECKPOINT_DIR, atomic_write
 from repro.base.rng import global_rng_states, set_global_rng_states
 from repro.defense.config import RELEVANT_ENVIRONMENT, RELEVANT_ON_CPU, flatten
 from repro.records.weights import KEY as WEIGHTS_KEY
@@ -57,54 +56,6 @@ class TrainingState(Protocol):
     schedule: Any
     precision: Any
     ema: Any
-
-
-def atomic_write(
-    path: Path,
-    write: Callable[[BinaryIO], Any],
-    before_replace: Callable[[], Any] | None = None,
-) -> None:
-    """Write through a temporary file in the same folder, fsync it, then rename over ``path``
-    (``before_replace``, if given, is called just before the rename).
-
-    A crash at any moment leaves either the old file or the new one, never half of one. An
-    error names ``path`` (a full disk met by ``write`` names no file of its own)."""
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as err:
-        raise _naming(err, path) from None
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give what open() would
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        if before_replace is not None:
-            before_replace()
-        os.replace(tmp, path)
-    except BaseException as err:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(err, OSError):
-            raise _naming(err, path) from None
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
-
-
-def _naming(err: OSError, path: Path) -> OSError:
-    """``err`` naming the file being written, not a temporary name or none at all."""
-    return OSError(err.errno, err.strerror or str(err), str(path))
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def sidecar(path: Path) -> Path:

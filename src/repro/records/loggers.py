@@ -44,13 +44,13 @@ from repro.base.files import (
     LOGGERS_FILE,
     METRICS_FILE,
     TRACE_FILE,
+    atomic_write,
     finite_or_null,
     open_run_file,
     parse_json,
     parse_trace_record,
 )
 from repro.defense.config import RUN_CONTROL, flatten
-from repro.records.checkpoint import atomic_write
 
 log = logging.getLogger("repro")
 METRICS_FIELDS = ["step", "epoch", "loss", "grad_norm", "lr"]

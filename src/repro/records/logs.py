@@ -18,9 +18,8 @@ from typing import Any
 
 import torch
 
-from repro.base.files import TRACE_FILE, parse_trace_record
+from repro.base.files import TRACE_FILE, atomic_write, parse_trace_record
 from repro.base.progress import Progress, span
-from repro.records.checkpoint import atomic_write
 from repro.records.loggers import METRICS_FIELDS, Loggers
 from repro.records.trace import TraceWriter
 

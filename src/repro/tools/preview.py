@@ -66,6 +66,7 @@ import torch
 from omegaconf import DictConfig
 
 from repro.base.errors import ReproError
+from repro.base.files import atomic_write
 from repro.base.rng import derive_seed
 from repro.components.data import IGNORE, Compose, DataSplits, KeyedPipeline, Resize
 from repro.components.data.augment import (
@@ -78,7 +79,6 @@ from repro.components.data.augment import (
 from repro.components.data.loading import KeyedBatches
 from repro.engine.build import build_data
 from repro.engine.inference import overlay_image
-from repro.records.checkpoint import atomic_write
 
 # the flag's thresholds: below both, a transform did nothing anyone would see
 NO_EFFECT_PX = 0.5
