@@ -192,6 +192,29 @@ def test_report_without_matplotlib_still_writes_the_text(sequential, tmp_path, m
 
 
 @pytest.mark.e2e
+def test_report_on_a_received_sweep_writes_nothing_through_its_links(sequential, tmp_path):
+    """A received sweep with links planted at report.md, report.json and the figures' names
+    (and one at a name a report does not write): the report replaces each link it writes
+    by its file; what the links lead to is left byte for byte."""
+    copy = tmp_path / "received"
+    subprocess.run(["cp", "-r", str(sequential), str(copy)], check=True)
+    victims = tmp_path / "victims"
+    victims.mkdir()
+    names = ["report.md", "report.json", "report.png", "report-0.png", "report-1.png"]
+    names += ["comparison.png"]
+    for name in names:
+        (copy / name).unlink(missing_ok=True)
+        (victims / name).write_bytes(b"the user's own file\n")
+        (copy / name).symlink_to(victims / name)
+    _, _, written = write_report(copy)
+    assert {p.name for p in written} >= {"report.md", "report.json"}
+    for path in written:
+        assert not path.is_symlink() and path.stat().st_size > 0, path
+    for name in names:
+        assert (victims / name).read_bytes() == b"the user's own file\n", name
+
+
+@pytest.mark.e2e
 def test_report_errors_are_one_line(sequential, tmp_path):
     out = repro("report", str(tmp_path / "nope"))
     assert out.returncode == 2 and out.stderr.strip().endswith("no such sweep directory.")

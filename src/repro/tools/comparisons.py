@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from repro.base.errors import ReproError
-from repro.base.files import load_yaml
+from repro.base.files import load_yaml, save_figure
 from repro.defense.config import RELEVANT_ENVIRONMENT, RELEVANT_ON_CPU, RUN_CONTROL, flatten
 from repro.tools import stats
 
@@ -905,6 +905,6 @@ def plot_comparison(report: dict[str, Any], out_dir: Path) -> str | None:
     if right.get_legend_handles_labels()[1]:
         right.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out_dir / "comparison.png", dpi=110)
+    save_figure(fig, out_dir / "comparison.png")
     plt.close(fig)
     return "comparison.png"

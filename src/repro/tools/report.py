@@ -46,6 +46,8 @@ from repro.base.files import (
     finite_or_null,
     load_yaml,
     parse_json,
+    save_figure,
+    write_file,
 )
 from repro.defense.config import RUN_CONTROL
 from repro.records.sample_records import collapse, read_scores
@@ -712,7 +714,7 @@ def plot(report: dict[str, Any], out_dir: Path) -> tuple[dict[int, str], str | N
         fig.suptitle(g["title"] or "all jobs (only the seed varies)", fontsize=9)
         fig.tight_layout()
         name = "report.png" if len(report["groups"]) == 1 else f"report-{i}.png"
-        fig.savefig(out_dir / name, dpi=110)
+        save_figure(fig, out_dir / name)
         plt.close(fig)
         figures[i] = name
     name = plot_comparison(report, out_dir)
@@ -744,8 +746,10 @@ def write_report(
     if out.exists() and not out.is_dir():
         raise ReproError(f"--out {out}: exists and is not a directory; give a directory.")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(as_json(report))  # text first
-    (out / "report.md").write_text(format_markdown(report, {}))
+    # each file written whole and renamed into place: a link planted at its name (a
+    # received sweep's) is replaced, never written through
+    write_file(out / "report.json", as_json(report))  # text first
+    write_file(out / "report.md", format_markdown(report, {}))
     try:
         figures, note = plot(report, out)
     except Exception as err:  # a figure is a bonus: never lose the text report to it
@@ -756,8 +760,8 @@ def write_report(
     text = format_markdown(report, figures)
     if note:
         text += f"\n_{note}._\n"
-    (out / "report.md").write_text(text)
-    (out / "report.json").write_text(as_json(report))
+    write_file(out / "report.md", text)
+    write_file(out / "report.json", as_json(report))
     written = [out / "report.md", out / "report.json"]
     written += [out / f for f in figures.values()]
     return report, text, written
