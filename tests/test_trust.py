@@ -151,6 +151,12 @@ def test_numpy_pickles_and_a_target_behind_an_interpolation_are_refused_too(
         ),
         (["hydra.searchpath=[file:///tmp]"], "sets hydra.searchpath=[file:///tmp], one of"),
         (["+hydra.job.env_set.LD_PRELOAD=/tmp/x.so"], "sets +hydra.job.env_set.LD_PRELOAD"),
+        (  # through the root package: the variable Hydra would set, as the line above
+            ["+x@_global_.hydra.job.env_set={LD_PRELOAD:/tmp/x.so}"],
+            "sets +x@_global_.hydra.job.env_set={LD_PRELOAD:/tmp/x.so}, one of Hydra's own",
+        ),
+        (["model@_global_.hydra.job=convnet"], "sets model@_global_.hydra.job=convnet, one of"),
+        (["++hydra.callbacks.determinism._target_=os.getcwd"], "sets ++hydra.callbacks."),
         (["trainer.checkpoint_name=${oc.env:HOME}"], "whose ${oc.env:...} calls a resolver"),
         (["augment.eval._target_=builtins.exec"], "sets augment.eval._target_=builtins.exec,"),
         (["+augment.eval.x={_target_: os.system}"], "sets augment.eval.x._target_=os.system,"),

@@ -278,10 +278,13 @@ def _parse(text: str, source: Path | None = None) -> Any:
 
 
 def _is_hydra(o: Any) -> bool:
-    """An override of Hydra's own node (``hydra.x``, ``hydra/launcher``, ``g@hydra.x``)."""
+    """An override that reaches Hydra's own node: ``hydra.x``, ``hydra/launcher``, with
+    ``+`` or ``++``, a group placed under it (``g@hydra.x``) or reaching it from the root
+    package (``g@_global_.hydra.x``, ``_global_.hydra.x``)."""
+    names = (o.key_or_group, o.package or "")
     return any(
         name == "hydra" or name.startswith(("hydra.", "hydra/"))
-        for name in (o.key_or_group, o.package or "")
+        for name in (*names, *(n.removeprefix("_global_.") for n in names))
     )
 
 
