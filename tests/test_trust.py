@@ -178,6 +178,16 @@ def test_hydra_settings_resolvers_and_targets_outside_the_checkout_are_refused(
     assert len(str(refused.value).splitlines()) == 1
 
 
+@pytest.mark.parametrize("target", ["runpy.run_path", "runpy.run_module"])
+def test_runpy_runs_a_files_code_and_is_refused_even_with_trust(target, tmp_path):
+    """Not left to Hydra's own blocklist (hydra-core 1.3.8 and later; >=1.3 is allowed)."""
+    record = tmp_path / ".hydra" / "overrides.yaml"
+    overrides = [f"augment.eval._target_={target}", "+augment.eval._args_=[/tmp/x.py]"]
+    with pytest.raises(Untrusted, match=rf"sets augment.eval._target_={target}.*--trust-loader"):
+        check_received(overrides, record, trust=True)
+    check_received(overrides, record, trust=True, loaders=[target])  # named: the user's call
+
+
 def test_trust_lets_a_harmless_target_through_but_a_loader_only_when_named(
     tmp_path, capsys, launches
 ):

@@ -92,6 +92,7 @@ LOADERS = (
     "pandas.io.pickle",
     "timm.create_model",
     "timm.models._factory.create_model",
+    "runpy",  # run_path, run_module: a file's or module's code, as __main__ or not
 )
 DOC = "docs/trust.md"
 TRUST = (
