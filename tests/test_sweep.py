@@ -223,6 +223,7 @@ def test_report_errors_are_one_line(sequential, tmp_path):
     for name, content, expected in (
         (".hydra/overrides.yaml", b"- seed=0\n- [unclosed\n", "overrides.yaml: not valid YAML"),
         ("summary.json", b'{"val_accuracy": 0.5, \xff', "summary.json: not JSON"),
+        (".hydra/config.yaml", laughs(9), "config.yaml: expands to over 200,000 values"),
     ):
         copy = tmp_path / name.replace("/", "_")
         shutil.copytree(sequential, copy)
@@ -230,6 +231,34 @@ def test_report_errors_are_one_line(sequential, tmp_path):
         out = repro("report", str(copy))
         assert out.returncode == 2 and expected in out.stderr, out.stderr
         assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+
+
+def laughs(levels: int) -> bytes:
+    """A "billion laughs": each level a list of 10 aliases of the one before (10^levels)."""
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, levels + 1)]
+    return ("\n".join(lines) + "\nseed: 0\n").encode()
+
+
+def test_a_received_yaml_is_bounded_before_it_is_expanded(tmp_path):
+    """A run's YAML records (read by report, compare, evaluate, rerun) are refused in one
+    line past their size, depth or expansion, without building them: at once, not hours."""
+    from repro.base.errors import ReproError
+    from repro.base.files import YAML_MAX_BYTES, YAML_MAX_DEPTH, load_yaml
+
+    path = tmp_path / "config.yaml"
+    path.write_bytes(laughs(4))  # about 123,000 values through aliases: under the bound
+    assert len(load_yaml(path)["a4"]) == 10
+    for content, expected in (
+        (laughs(9), "expands to over 200,000 values (anchors and aliases)"),
+        (b"x: " + b"[" * (YAML_MAX_DEPTH + 1) + b"]" * (YAML_MAX_DEPTH + 1), "nested over"),
+        (b"# " + b"x" * YAML_MAX_BYTES + b"\nseed: 0\n", "bytes, over"),
+    ):
+        path.write_bytes(content)
+        with pytest.raises(ReproError) as err:
+            load_yaml(path)
+        assert str(err.value).startswith(f"{path}: ") and expected in str(err.value)
+        assert "\n" not in str(err.value)
 
 
 def test_t_quantiles_match_the_tables():

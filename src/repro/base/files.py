@@ -247,9 +247,55 @@ def load_yaml(
     from omegaconf import OmegaConf
 
     try:
-        return OmegaConf.to_container(OmegaConf.load(path))
+        text = Path(path).read_bytes()
+        problem = _yaml_out_of_bounds(text)
+        if problem is None:
+            return OmegaConf.to_container(OmegaConf.create(text.decode("utf-8")))
     except Exception as err:  # yaml's parser and scanner errors, undecodable bytes
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ReproError(
             f"{path}: not valid YAML ({first}); the file is damaged: {remedy}."
         ) from None
+    raise ReproError(f"{path}: {problem}; not a record this project writes: {remedy}.")
+
+
+# What a run's own YAML (its config, overrides, Hydra's settings: a few KiB, a few hundred
+# values) stays far inside; a received file past them is refused before it is expanded
+YAML_MAX_BYTES = 8 * 2**20
+YAML_MAX_DEPTH = 64
+YAML_MAX_VALUES = 200_000  # every value counted once per place an alias repeats it
+
+
+def _yaml_out_of_bounds(text: bytes) -> str | None:
+    """Why ``text`` is too large to read as a run's record, or None: its size, its nesting,
+    or the number of values it expands to through anchors and aliases (a "billion laughs"
+    of 9 levels of 10 aliases is 10^9 values in a few hundred bytes), counted from the
+    parser's events without building anything."""
+    import yaml
+
+    if len(text) > YAML_MAX_BYTES:
+        return f"{len(text):,} bytes, over {YAML_MAX_BYTES:,}"
+    values, depth = 0, 0
+    anchored: dict[str, int] = {}  # anchor -> how many values its node expands to
+    open_nodes: list[tuple[str | None, int]] = []  # (anchor, values before it)
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > YAML_MAX_DEPTH:
+                return f"nested over {YAML_MAX_DEPTH} levels deep"
+            open_nodes.append((event.anchor, values))
+            values += 1
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+            anchor, before = open_nodes.pop()
+            if anchor is not None:
+                anchored[anchor] = values - before
+        elif isinstance(event, yaml.ScalarEvent):
+            if event.anchor is not None:
+                anchored[event.anchor] = 1
+            values += 1
+        elif isinstance(event, yaml.AliasEvent):
+            values += anchored.get(event.anchor, 1)
+        if values > YAML_MAX_VALUES:
+            return f"expands to over {YAML_MAX_VALUES:,} values (anchors and aliases)"
+    return None
