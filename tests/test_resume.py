@@ -621,3 +621,22 @@ def test_a_write_that_finds_the_disk_full_names_the_file(tmp_path):
     message = str(disk_error(err.value, tmp_path))
     assert message.startswith(f"cannot write {target}: No space left on device")
     assert not list(target.parent.iterdir())  # no temporary file left
+    assert "no checkpoint was written yet (a resume starts at step 0)" in message
+
+
+def test_a_failed_write_names_the_checkpoint_a_resume_would_use(tmp_path):
+    """The last good one; where its record is missing (a disk that turned read-only before
+    it was written), the newest on disk, not "none"."""
+    from repro.records.rundir import disk_error
+
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    for step in (10, 20):
+        (folder / f"step-{step:08d}.pt").write_bytes(b"a checkpoint")
+    read_only = OSError(errno.EROFS, os.strerror(errno.EROFS), str(tmp_path / "metrics.csv"))
+    message = str(disk_error(read_only, tmp_path))
+    assert f"the newest checkpoint is {folder / 'step-00000020.pt'} (resume checks it)" in message
+    (folder / "last_good").write_text("step-00000010.pt\n")
+    message = str(disk_error(read_only, tmp_path))
+    assert f"the last good checkpoint is {folder / 'step-00000010.pt'}." in message
+    assert "\n" not in message

@@ -44,6 +44,7 @@ from repro.base.files import (
     TEST_PER_SAMPLE_FILE,
     TRACE_FILE,
     VAL_PER_SAMPLE_FILE,
+    atomic_write,
     finite_or_null,
     link_refused,
     open_run_file,
@@ -53,8 +54,8 @@ from repro.base.files import (
 from repro.records.checkpoint import (
     LAST_GOOD,
     RunIdentity,
-    atomic_write,
     find_resume_point,
+    list_checkpoints,
     mismatches,
     repair_sidecar,
     set_aside,
@@ -532,13 +533,29 @@ def disk_error(err: OSError, run_dir: Path) -> CheckpointError | None:
     if err.errno not in DISK_ERRORS:
         return None
     where = Path(err.filename) if err.filename else run_dir
-    last = run_dir / CHECKPOINT_DIR / LAST_GOOD
-    good = last.read_text().strip() if last.is_file() else None
     return CheckpointError(
-        f"cannot write {where}: {err.strerror} ({_free(where)} free there); the last good "
-        f"checkpoint is {run_dir / CHECKPOINT_DIR / good if good else 'none yet'}. Free space "
-        f"or make it writable, then resume: the same command plus {resume_command(run_dir)}"
+        f"cannot write {where}: {err.strerror} ({_free(where)} free there); "
+        f"{_last_checkpoint(run_dir)}. Free space or make it writable, then resume: the same "
+        f"command plus {resume_command(run_dir)}"
     )
+
+
+def _last_checkpoint(run_dir: Path) -> str:
+    """Which checkpoint a resume would start from, as the error of a failed write says it:
+    the last one read back and verified (``last_good``), or, where that record could not be
+    written (a disk that became read-only), the newest on disk; none only where there is
+    none."""
+    last = run_dir / CHECKPOINT_DIR / LAST_GOOD
+    try:
+        good = last.read_text().strip() if last.is_file() else None
+    except (OSError, UnicodeDecodeError):
+        good = None
+    if good and (run_dir / CHECKPOINT_DIR / good).is_file():
+        return f"the last good checkpoint is {run_dir / CHECKPOINT_DIR / good}"
+    on_disk = list_checkpoints(run_dir)
+    if on_disk:
+        return f"the newest checkpoint is {on_disk[0][1]} (resume checks it)"
+    return "no checkpoint was written yet (a resume starts at step 0)"
 
 
 def _free(path: Path) -> str:
