@@ -344,6 +344,22 @@ def test_a_lock_or_log_that_is_a_link_is_refused_and_what_it_leads_to_is_unchang
     assert outside.read_text() == "mine\n"
 
 
+def test_a_linked_launch_record_folder_is_refused_and_what_it_leads_to_is_unchanged(tmp_path):
+    """A received run directory whose ``.hydra/`` is a link to a folder of the user's: a
+    resume into it is refused in one line before anything is written there."""
+    outside = tmp_path / "mine"
+    outside.mkdir()
+    (outside / "config.yaml").write_text("mine\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / ".hydra").symlink_to(outside, target_is_directory=True)
+    with _refused_as_a_link(run_dir / ".hydra"):
+        train_here(run_dir, *QUICK, "trainer.resume=auto")
+    assert sorted(os.listdir(outside)) == ["config.yaml"]
+    assert (outside / "config.yaml").read_text() == "mine\n"
+    assert sorted(os.listdir(run_dir)) == [".hydra"]
+
+
 def test_every_file_a_run_appends_to_refuses_a_link(tmp_path):
     """The files a run writes in place rather than by rename (trace, CSV logs, the
     determinism report) never through a link; another run's logs adopted by a resume replace

@@ -285,10 +285,12 @@ def _ours(name: str) -> bool:
 def refuse_links(run_dir: Path) -> None:
     """A file the run writes (``train.log``, ``metrics.csv``...) that is a symbolic link is
     refused, naming it, before anything is written: a run's files are never written
-    through links. (A linked folder -- ``checkpoints/`` on another disk -- is the user's
-    choice: the files in it are replaced by rename.)"""
+    through links. So is a linked ``.hydra/``: the launch's record is written into it and a
+    resume, ``repro rerun`` and ``evaluate`` read the run's config from it. (A linked
+    ``checkpoints/`` -- on another disk -- is the user's choice: the files in it are
+    replaced by rename.)"""
     for p in sorted(run_dir.iterdir()):
-        if _ours(p.name) and p.is_symlink() and not p.is_dir():
+        if p.is_symlink() and (p.name == LAUNCH_DIR or (_ours(p.name) and not p.is_dir())):
             raise link_refused(p)
 
 
