@@ -35,7 +35,7 @@ CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float:
-    from repro.base.files import atomic_write
+    from repro.base.files import write_file
     from repro.engine.dist import explain_timeout, launched_world, record_elastic_run, shutdown
     from repro.engine.loop import train
 
@@ -58,7 +58,7 @@ def main(cfg: DictConfig) -> float:
             ("overrides.yaml", hydra_cfg.overrides.task),
         ):
             text = OmegaConf.to_yaml(node)
-            atomic_write(launch / name, lambda f, text=text: f.write(text.encode()))
+            write_file(launch / name, text)
 
     try:
         summary = train(cfg, run_dir, accepted=accepted, after_step=_fault_kill())
@@ -112,7 +112,7 @@ def main(cfg: DictConfig) -> float:
                 "traceback": traceback.format_exc(),
             }
             text = json.dumps(record, indent=2) + "\n"
-            atomic_write(run_dir / ERROR_FILE, lambda f: f.write(text.encode()))
+            write_file(run_dir / ERROR_FILE, text)
         print(f"error: job {hydra_cfg.job.num} ({run_dir.name}): {err}", file=sys.stderr)
         # the sweep goes on; it ends with this line, not a second copy of the error (its
         # traceback is in the job's error.json)

@@ -275,18 +275,16 @@ def _yaml_out_of_bounds(text: bytes) -> str | None:
 
     if len(text) > YAML_MAX_BYTES:
         return f"{len(text):,} bytes, over {YAML_MAX_BYTES:,}"
-    values, depth = 0, 0
+    values = 0
     anchored: dict[str, int] = {}  # anchor -> how many values its node expands to
     open_nodes: list[tuple[str | None, int]] = []  # (anchor, values before it)
     for event in yaml.parse(text, Loader=yaml.SafeLoader):
         if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
-            depth += 1
-            if depth > YAML_MAX_DEPTH:
-                return f"nested over {YAML_MAX_DEPTH} levels deep"
             open_nodes.append((event.anchor, values))
+            if len(open_nodes) > YAML_MAX_DEPTH:
+                return f"nested over {YAML_MAX_DEPTH} levels deep"
             values += 1
         elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
-            depth -= 1
             anchor, before = open_nodes.pop()
             if anchor is not None:
                 anchored[anchor] = values - before

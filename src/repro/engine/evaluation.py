@@ -56,7 +56,7 @@ class Evaluation:
         """``<split>_per_image.csv``: a row per sample, ``sample`` (its name) then the
         task's columns and its headline scores (``step`` first when given); atomically
         replaced."""
-        from repro.base.files import atomic_write
+        from repro.base.files import write_file
 
         if self.samples is None:
             return
@@ -69,7 +69,7 @@ class Evaluation:
             row = [str(step)] if step is not None else []
             lines.append(",".join([*row, csv_field(name), *(repr(v[i]) for v in values)]))
         text = "\n".join(lines) + "\n"
-        atomic_write(path, lambda f: f.write(text.encode()))
+        write_file(path, text)
 
 
 @torch.no_grad()

@@ -307,7 +307,7 @@ def _write_probabilities(
 ) -> None:
     """``file, prediction[, class], p0, p1...``: ``class`` is the predicted class's name when
     the dataset names its classes (an image folder's sub-folders)."""
-    from repro.base.files import atomic_write
+    from repro.base.files import write_file
 
     named = classes is not None and len(classes) == probs.shape[1]
     header = ["file", "prediction", *(["class"] if named else [])]
@@ -318,7 +318,7 @@ def _write_probabilities(
         label = [csv_field(classes[best])] if named else []
         lines.append(",".join([csv_field(name), str(best), *label, *map(repr, p)]))
     text = "\n".join(lines) + "\n"
-    atomic_write(out, lambda f: f.write(text.encode()))
+    write_file(out, text)
 
 
 class MaskWriter:

@@ -44,11 +44,11 @@ from repro.base.files import (
     LOGGERS_FILE,
     METRICS_FILE,
     TRACE_FILE,
-    atomic_write,
     finite_or_null,
     open_run_file,
     parse_json,
     parse_trace_record,
+    write_file,
 )
 from repro.defense.config import RUN_CONTROL, flatten
 
@@ -194,7 +194,7 @@ def remember(run_dir: Path, name: str, value: dict[str, Any]) -> None:
     path = run_dir / LOGGERS_FILE
     held = _loggers_json(path)
     text = json.dumps({**held, name: value}, indent=2) + "\n"
-    atomic_write(path, lambda f: f.write(text.encode()))
+    write_file(path, text)
 
 
 class CsvLog:
@@ -230,7 +230,7 @@ class CsvLog:
                 )
             buf = io.StringIO()
             csv.writer(buf).writerows([fields, *(rows[s] for s in sorted(rows))])
-            atomic_write(path, lambda f: f.write(buf.getvalue().encode()))
+            write_file(path, buf.getvalue())
             self.file = open_run_file(path, "a", newline="")  # never through a link
             self.writer = csv.writer(self.file)
         else:

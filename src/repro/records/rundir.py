@@ -50,6 +50,7 @@ from repro.base.files import (
     open_run_file,
     parse_json,
     resume_command,
+    write_file,
 )
 from repro.records.checkpoint import (
     LAST_GOOD,
@@ -521,7 +522,7 @@ def adopt_logs(source_run: Path, run_dir: Path) -> None:
 def write_json(path: Path, obj: Any) -> None:
     """``obj`` as JSON, atomically; a value that is not finite is written as ``null``."""
     text = json.dumps(finite_or_null(obj), indent=2, allow_nan=False) + "\n"
-    atomic_write(path, lambda f: f.write(text.encode()))
+    write_file(path, text)
 
 
 # Errors of a write that more space or a writable filesystem would fix.
