@@ -309,6 +309,15 @@ class _Records(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+def repro_here(*args: object) -> int:
+    """The ``repro`` command in this process (its torch flags and RNGs put back after):
+    the tools' own wiring, without a process's start."""
+    from repro.cli import main
+
+    with preserved_global_state():
+        return main([str(a) for a in args])
+
+
 def train_here(run_dir: Path, *overrides: str, after_step=None, conf_dir: Path = CONF_DIR) -> Run:
     """``repro.engine.loop.train`` in this process, on the config ``train.py`` would compose (no
     Hydra run: no ``.hydra/`` or ``train.log``) from ``conf_dir``. Errors are raised, as the

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import Run, cuda, run_defaults, train_here
+from conftest import Run, cuda, repro_here, run_defaults, train_here
 from repro.base.errors import ConfigError, DataError
 from repro.components.data.synthetic import write_nuclei_folder
 from repro.defense.config import compose
@@ -33,16 +33,6 @@ def test_gaussian_weights_peak_in_the_centre_and_are_never_zero():
     w = gaussian_weights((64, 48), 0.125)
     assert w.shape == (64, 48) and float(w.max()) == 1.0 and float(w.min()) > 0
     assert torch.equal(w, w.flip(0)) and torch.equal(w, w.flip(1))
-
-
-def repro_here(*args: object) -> int:
-    """The ``repro`` command in this process (its torch flags and RNGs put back after):
-    the tools' own wiring, without a process's start."""
-    from conftest import preserved_global_state
-    from repro.cli import main
-
-    with preserved_global_state():
-        return main([str(a) for a in args])
 
 
 def pointwise(x: torch.Tensor) -> torch.Tensor:

@@ -196,12 +196,17 @@ def launch_overrides(run_dir: Path, what: str = "the directory of a run") -> lis
 
 
 def _run_config(
-    run_dir: Path, overrides: list[str], trust: bool = False, loaders: list[str] | None = None
+    run_dir: Path,
+    overrides: list[str],
+    trust: bool = False,
+    loaders: list[str] | None = None,
+    training_data: bool = True,
 ):
     """A run's config, composed again from its launch's overrides (``.hydra/overrides.yaml``,
     as ``repro rerun`` does) plus ``overrides``, once :func:`repro.records.trust.check_received`
     has found nothing in it that would run code the user has not trusted (``trust``,
-    ``loaders``: ``--trust``, ``--trust-loader``)."""
+    ``loaders``: ``--trust``, ``--trust-loader``). ``training_data`` False: its ``data.path``
+    need not exist (:func:`repro.defense.config.validate`)."""
     from repro.defense.config import compose
     from repro.records.trust import check_received
 
@@ -209,16 +214,19 @@ def _run_config(
     check_received(
         received, run_dir / OVERRIDES_FILE, overrides, trust=trust, loaders=loaders or []
     )
-    return compose([*received, *overrides])
+    return compose([*received, *overrides], training_data=training_data)
 
 
-def _prepared(args: argparse.Namespace):
-    """The run's config, this process under its determinism settings, and the device."""
+def _prepared(args: argparse.Namespace, training_data: bool = True):
+    """The run's config, this process under its determinism settings, and the device
+    (``training_data``: see :func:`_run_config`)."""
     from repro.defense.determinism import apply_determinism
     from repro.defense.process_env import pin_process_environment
     from repro.engine.settle import resolve_device
 
-    cfg = _run_config(Path(args.run_dir), args.overrides, args.trust, args.trust_loader)
+    cfg = _run_config(
+        Path(args.run_dir), args.overrides, args.trust, args.trust_loader, training_data
+    )
     pin_process_environment(cfg.determinism)  # strict: re-executes once, as train.py does
     device = resolve_device(str(cfg.device))
     apply_determinism(cfg, device)
@@ -241,7 +249,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         raise ReproError(f"--folder {folder}: not a directory; give an annotated folder.")
     if folder is not None and args.split is not None:
         raise ReproError("give --folder or --split, not both: a folder is evaluated whole.")
-    cfg, device = _prepared(args)
+    cfg, device = _prepared(args, training_data=folder is None)  # --folder: the record's
     checkpoint = choose_checkpoint(Path(args.run_dir), cfg, args.checkpoint)
     if folder is not None:
         result = evaluate_folder(cfg, checkpoint, device, folder, args.force, per_sample)
@@ -267,7 +275,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         raise ReproError(f"{out}: exists; give another --out (nothing was overwritten).")
     if not inputs.is_dir():
         raise ReproError(f"{inputs}: not a directory; give a folder of images.")
-    cfg, device = _prepared(args)
+    cfg, device = _prepared(args, training_data=False)  # the checkpoint's record of it
     checkpoint = choose_checkpoint(Path(args.run_dir), cfg, args.checkpoint)
     count = predict(
         cfg, checkpoint, device, inputs, out, args.force, args.probabilities, args.overlay

@@ -286,8 +286,11 @@ def _a_name_in_the_run(key: str, value: Any, example: str) -> None:
         )
 
 
-def validate(cfg: DictConfig) -> None:
-    """Range and relation checks the type system cannot express. Raises :class:`ConfigError`."""
+def validate(cfg: DictConfig, training_data: bool = True) -> None:
+    """Range and relation checks the type system cannot express. Raises :class:`ConfigError`.
+    ``training_data`` False: the training data is not read (``repro evaluate --folder``,
+    ``repro predict``: the checkpoint carries what they need of it), so ``data.path`` need not
+    exist."""
     for group in cfg:
         if group != "hydra" and isinstance(cfg[group], DictConfig):
             for key in sorted(OmegaConf.missing_keys(cfg[group])):  # full keys, e.g. data.path
@@ -316,6 +319,12 @@ def validate(cfg: DictConfig) -> None:
     _validate_optim(cfg.optim)
     if cfg.schedule.get("warmup_steps", 0) < 0:
         _fail("schedule.warmup_steps", cfg.schedule.warmup_steps, "an integer >= 0")
+    if training_data:
+        check_data_path(cfg)
+
+
+def check_data_path(cfg: DictConfig) -> None:
+    """``data.path``, where the data has one, is there: a folder for the image folders."""
     if "path" in cfg.data and not Path(str(cfg.data.path)).expanduser().exists():
         raise ConfigError(
             f"config error: data.path={cfg.data.path!r} does not exist; point it at your data."
@@ -1047,9 +1056,12 @@ def find_conf_dir() -> Path:
     )
 
 
-def compose(overrides: list[str], conf_dir: Path | None = None) -> DictConfig:
+def compose(
+    overrides: list[str], conf_dir: Path | None = None, training_data: bool = True
+) -> DictConfig:
     """Compose ``train.yaml`` with command-line style overrides, as ``train.py`` would, and
-    validate it: for tools that take the training overrides (``repro doctor``)."""
+    validate it (``training_data``: see :func:`validate`): for tools that take the training
+    overrides (``repro doctor``)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
@@ -1063,5 +1075,5 @@ def compose(overrides: list[str], conf_dir: Path | None = None) -> DictConfig:
     except (HydraException, OmegaConfBaseException) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"config error: {first}") from None
-    validate(cfg)
+    validate(cfg, training_data)
     return cfg

@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,27 +120,27 @@ def build_augmentation(cfg: DictConfig, data: DataSplits) -> DataSplits:
     of :func:`repro.components.data.pipeline_check.check_pipelines` (several samples and keys, two
     orders, two clock times, of ``data.image_size``), as every loader worker and every
     resume builds it."""
-    node = cfg.get("augment") or {}
-    seed = int(cfg.seed)
-
-    def maker(part: str) -> Callable[[], KeyedPipeline]:
-        def make() -> KeyedPipeline:
-            built = instantiate_target(node[part], f"augment.{part}") if node.get(part) else None
-            return KeyedPipeline(built, seed, f"augment.{part}")
-
-        return make
-
     native = str(cfg.get("inference", {}).get("mode", "pipeline")) == "native"
     if native and not _gives_masks(data.val):
         raise ConfigError(
             "config error: inference.mode=native evaluates and predicts per-pixel masks at "
             "each image's own size; this data gives class labels: use inference.mode=pipeline."
         )
-    make_train, make_eval = maker("train"), maker("eval")
+    make_train = functools.partial(keyed_pipeline, cfg, "train")
+    make_eval = functools.partial(keyed_pipeline, cfg, "eval")
     data.augment_check = check_pipelines(
         make_train, make_eval, data.train, data.val, data.image_size, native=native
     )
     return data.with_augmentation(make_train(), make_eval())
+
+
+def keyed_pipeline(cfg: DictConfig, part: str) -> KeyedPipeline:
+    """The ``augment`` group's ``part`` (``train`` or ``eval``), built afresh and keyed by the
+    training seed: what each loader worker, each resume and each scoring of a checkpoint
+    builds (no part: the images as they are)."""
+    node = cfg.get("augment") or {}
+    built = instantiate_target(node[part], f"augment.{part}") if node.get(part) else None
+    return KeyedPipeline(built, int(cfg.seed), f"augment.{part}")
 
 
 def _gives_masks(split: Any) -> bool:

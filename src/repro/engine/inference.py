@@ -1,5 +1,6 @@
 """A trained run's checkpoint on data it did not train on: the test split (``trainer.test``
-at the end of a run, ``repro evaluate RUN_DIR`` later) and new inputs (``repro predict``).
+at the end of a run, ``repro evaluate RUN_DIR`` later), an annotated folder (``repro
+evaluate RUN_DIR --folder``) and new inputs (``repro predict``).
 
 ``trainer.test`` and ``repro evaluate`` are one function, :func:`evaluate_checkpoint`: the
 model (and its weight average, with ``trainer.ema``) rebuilt from the run's config, the
@@ -7,11 +8,19 @@ checkpoint's weights loaded, :func:`repro.engine.evaluation.evaluate` in its fix
 run's determinism settings. So the two give the same bits: a test score cannot depend on
 whether it was computed at the end of training or a week later (as long as the machine and
 versions are the same; ``env.json`` says which they were).
+
+What the training data decided -- the normalisation statistics, the intensity rule, the
+channel count, the class names -- comes from the checkpoint's scoring record
+(:mod:`repro.records.scoring`, :func:`scoring_data`), never from the training folder:
+``--folder`` and ``repro predict`` do not open it (it may have grown, moved or gone), and
+a test split is normalised as the model was trained. A checkpoint written before the
+record falls back to the training folder, with one warning.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +29,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from repro.base.errors import CheckpointError, ConfigError
 from repro.base.files import BEST_FILE
-from repro.components.data import Augmented, DataSplits, DeviceNormalizer, Split
-from repro.defense.config import flatten
-from repro.engine.build import Training, build_data, build_training
+from repro.components.data import Augmented, DataSplits, DeviceNormalizer, Intensity, Split
+from repro.defense.config import check_data_path, flatten
+from repro.engine.build import Training, build_data, build_training, keyed_pipeline
 from repro.engine.evaluation import csv_field, evaluate_split, logits_at_own_size
 from repro.engine.settle import record_channels_last
 from repro.records.checkpoint import (
@@ -32,6 +41,7 @@ from repro.records.checkpoint import (
     mismatches,
     read_checkpoint,
 )
+from repro.records.scoring import ScoringRecord
 
 log = logging.getLogger("repro")
 SPLITS = ("test", "val")
@@ -64,7 +74,7 @@ def evaluate_checkpoint(
     (:func:`settings_differ`), unless ``force``."""
     if split not in SPLITS:
         raise ConfigError(f"split {split!r}: give test or val.")
-    data = data or build_data(cfg)
+    data = data or build_data(cfg)  # the split is drawn from the training data's folder
     held_out = data.test if split == "test" else data.val
     if held_out is None:
         raise ConfigError(
@@ -72,7 +82,7 @@ def evaluate_checkpoint(
             "the synthetic sets, data.test_fraction for the image folders), or evaluate the "
             "validation split: --split val."
         )
-    return _evaluated(cfg, checkpoint, device, data, held_out, split, force, per_sample)
+    return _evaluated(cfg, checkpoint, device, lambda _: held_out, split, force, per_sample, data)
 
 
 def evaluate_folder(
@@ -89,10 +99,13 @@ def evaluate_folder(
     depth, intensity mapping, ``mask_map``) and evaluated as its validation split is
     (``inference.*``), metrics named ``external_*``. No split of the folder is made and the
     run's training split is not checked against it. A folder whose classes or channels do
-    not fit the run is refused in one line naming the file."""
-    data = build_data(cfg)  # the run's normalisation statistics and evaluation pipeline
-    split = Augmented(external_split(cfg, data, folder), data.eval_pipeline)
-    result = _evaluated(cfg, checkpoint, device, data, split, "external", force, per_sample)
+    not fit the run is refused in one line naming the file. What the training data decided
+    comes from the checkpoint (:func:`scoring_data`): the training folder is not opened."""
+
+    def split(scored: ScoredData) -> Split:
+        return Augmented(external_split(cfg, scored, folder), scored.eval_pipeline)
+
+    result = _evaluated(cfg, checkpoint, device, split, "external", force, per_sample)
     return {"folder": str(folder), **result}
 
 
@@ -100,21 +113,24 @@ def _evaluated(
     cfg: DictConfig,
     checkpoint: Path,
     device: torch.device,
-    data: DataSplits,
-    split: Split,
+    split_of: Any,
     name: str,
     force: bool,
     per_sample: Path | None,
+    data: DataSplits | None = None,
 ) -> dict[str, Any]:
-    """``checkpoint`` restored into the run's model, evaluated on ``split`` (metrics named
-    ``<name>_*``), each sample's row into ``per_sample``: the result :func:`evaluate_checkpoint`
-    and :func:`evaluate_folder` give."""
+    """``checkpoint`` restored into the run's model, evaluated on ``split_of(scored)`` (the
+    split, given the checkpoint's :class:`ScoredData`; metrics named ``<name>_*``), each
+    sample's row into ``per_sample``: the result :func:`evaluate_checkpoint` and
+    :func:`evaluate_folder` give. ``data``: the run's data, where the split is drawn from it."""
     loaded = read_checkpoint(checkpoint, map_location=device)  # verified
     state = loaded.state
+    scored = scoring_data(cfg, state, checkpoint, data)
+    split = split_of(scored)
     # another machine or version than the checkpoint's: the bits may differ from
     # trainer.test's (the metrics are still this machine's, deterministic)
-    training, differences = restored(cfg, checkpoint, state, device, data, force)
-    normalize = DeviceNormalizer(data, device, training.channels_last)
+    training, differences = restored(cfg, checkpoint, state, device, scored, force)
+    normalize = DeviceNormalizer(scored, device, training.channels_last)
     result = evaluate_split(training, split, normalize, int(cfg.trainer.eval_batch_size))
     if per_sample is not None:
         result.write_per_sample(per_sample)
@@ -129,24 +145,23 @@ def _evaluated(
     }
 
 
-def external_split(cfg: DictConfig, data: DataSplits, folder: Path) -> Any:
-    """Every file of ``folder`` as one split, with the run's reading settings (see
+def external_split(cfg: DictConfig, data: ScoredData, folder: Path) -> Any:
+    """Every file of ``folder`` as one split, read as the run's training data was (the
+    checkpoint's record of it, ``data``: channels, intensity rule, mask map, classes; see
     :func:`evaluate_folder`)."""
-    from repro.components.data import Intensity, LazyImageMasks, LazyImages
+    from repro.components.data import LazyImageMasks, LazyImages
     from repro.components.data.folders import IMAGE_SUFFIXES, image_mask_pairs
 
-    node = OmegaConf.to_container(cfg.data, resolve=True)
-    target = str(node["_target_"])
-    rule = Intensity(node.get("intensity"))
+    target = str(cfg.data._target_)
+    rule = data.intensity
     if target in ("repro.data.image_mask_folder", "repro.components.data.image_mask_folder"):
         stems, images, masks = image_mask_pairs(folder, "--folder", least=1)
-        mask_map = node.get("mask_map")
         return LazyImageMasks(
             [images[s] for s in stems],
             [masks[s] for s in stems],
-            int(node["num_classes"]),
-            {int(k): int(v) for k, v in mask_map.items()} if mask_map else None,
-            int(node.get("channels", 3)),
+            data.num_classes,
+            data.mask_map,
+            data.in_channels,
             rule,
         )
     if target in ("repro.data.image_folder", "repro.components.data.image_folder"):
@@ -167,12 +182,89 @@ def external_split(cfg: DictConfig, data: DataSplits, folder: Path) -> Any:
         if not files:
             raise ConfigError(f"--folder {folder}: no image files in its class folders.")
         labels = torch.tensor([label for _, label in files])
-        channels = int(node.get("channels", 3))
-        return LazyImages([f for f, _ in files], labels, "stop", channels, rule, folder)
+        return LazyImages([f for f, _ in files], labels, "stop", data.in_channels, rule, folder)
     raise ConfigError(
         f"--folder evaluates runs on image_folder or image_mask_folder data; this run's data is "
         f"{target}: use --split test or val."
     )
+
+
+@dataclass
+class ScoredData:
+    """What scoring a checkpoint needs of the data it was trained on, in the shape the model,
+    task and normaliser are built from (:class:`repro.components.data.DataSplits`'s members
+    they read): from the checkpoint's scoring record (:meth:`from_record`), or, for a
+    checkpoint written before it, from the run's data as built again (:meth:`of`)."""
+
+    num_classes: int
+    in_channels: int
+    class_names: tuple[str, ...] | None
+    image_size: int | None
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    intensity: Intensity  # how an input file's values become the pipeline's input
+    mask_map: dict[int, int] | None  # a mask file's value -> class (image_mask_folder)
+    eval_pipeline: Any  # each evaluated image's way to the model (augment.eval, keyed)
+
+    def normalisation(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        return self.mean, self.std
+
+    @classmethod
+    def from_record(cls, record: ScoringRecord, eval_pipeline: Any) -> ScoredData:
+        return cls(
+            num_classes=record.num_classes,
+            in_channels=record.channels,
+            class_names=record.class_names,
+            image_size=record.image_size,
+            mean=record.mean,
+            std=record.std,
+            intensity=Intensity(record.intensity),
+            mask_map=record.mask_map,
+            eval_pipeline=eval_pipeline,
+        )
+
+    @classmethod
+    def of(cls, data: DataSplits, cfg: DictConfig) -> ScoredData:
+        mean, std = data.normalisation()
+        rule = getattr(data.train, "intensity", None)  # an image folder's data.intensity
+        mask_map = OmegaConf.to_container(cfg.data, resolve=True).get("mask_map")
+        return cls(
+            num_classes=data.num_classes,
+            in_channels=data.in_channels,
+            class_names=data.class_names,
+            image_size=data.image_size,
+            mean=tuple(mean),
+            std=tuple(std),
+            intensity=rule if isinstance(rule, Intensity) else Intensity(),  # else auto
+            mask_map={int(k): int(v) for k, v in mask_map.items()} if mask_map else None,
+            eval_pipeline=data.eval_pipeline,
+        )
+
+
+def scoring_data(
+    cfg: DictConfig, state: dict[str, Any], checkpoint: Path, data: DataSplits | None = None
+) -> ScoredData:
+    """What scoring ``checkpoint`` (its loaded ``state``) needs of its training data: its
+    scoring record (:mod:`repro.records.scoring`), with the evaluation pipeline of ``data``
+    (given where a split is drawn from the run's data) or built from ``cfg``. A checkpoint
+    written before checkpoints carried the record: the run's data built again from its
+    training folder (``data.path``), as before, with one warning that its score follows
+    that folder."""
+    record = ScoringRecord.from_state(state, checkpoint)
+    if record is not None:
+        pipeline = data.eval_pipeline if data is not None else keyed_pipeline(cfg, "eval")
+        return ScoredData.from_record(record, pipeline)
+    where = f" at data.path={cfg.data.path}" if "path" in cfg.data else ""
+    log.warning(
+        f"{checkpoint}: written before checkpoints carried their scoring record, so the "
+        f"normalisation, channels and class names come from the training data{where} as it "
+        "is now: its score changes if that data has; a run trained again writes "
+        "checkpoints that carry them."
+    )
+    if data is None:
+        check_data_path(cfg)
+        data = build_data(cfg)
+    return ScoredData.of(data, cfg)
 
 
 def restored(
@@ -180,7 +272,7 @@ def restored(
     checkpoint: Path,
     state: dict[str, Any],
     device: torch.device,
-    data: DataSplits,
+    data: ScoredData | DataSplits,
     force: bool = False,
 ) -> tuple[Training, dict[str, list[str]]]:
     """The run's model (and weight average) rebuilt from ``cfg`` with the weights of
@@ -259,8 +351,8 @@ def predict(
     files = sorted(p for p in inputs.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
         raise ConfigError(f"{inputs}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))}).")
-    data = build_data(cfg)  # its evaluation pipeline and normalisation statistics
     state = load_checkpoint(checkpoint, map_location=device)
+    data = scoring_data(cfg, state, checkpoint)  # statistics, channels, classes: recorded
     training, differences = restored(cfg, checkpoint, state, device, data, force)
     for difference in differences.get("config_differs", []):  # --force: said, then on
         log.warning(f"predict --force: {difference} (the bytes may differ from the run's)")
@@ -274,7 +366,7 @@ def predict(
     with torch.no_grad(), training.evaluated_weights():
         for i in range(0, len(files), batch):
             part = files[i : i + batch]
-            images = [read_input(cfg, data, p) for p in part]
+            images = [read_input(data, p) for p in part]
             index = torch.arange(i, i + len(part))
             logits = logits_at_own_size(training, normalize, images, index, data.eval_pipeline)
             for j, output in enumerate(logits):
@@ -292,14 +384,12 @@ def predict(
     return len(files)
 
 
-def read_input(cfg: DictConfig, data: DataSplits, path: Path) -> torch.Tensor:
-    """An input file read as the run's data reads its images (channels, bit depth, intensity
-    mapping): ``C×H×W``, uint8 or float32."""
-    from repro.components.data import Intensity, read_image
+def read_input(data: ScoredData, path: Path) -> torch.Tensor:
+    """An input file read as the run's data read its images (channels, bit depth, intensity
+    mapping: ``data``, the checkpoint's record): ``C×H×W``, uint8 or float32."""
+    from repro.components.data import read_image
 
-    rule = getattr(data.train, "intensity", None)  # an image folder's data.intensity
-    rule = rule if isinstance(rule, Intensity) else Intensity()  # else auto
-    return rule(read_image(path, data.in_channels), path)[0]
+    return data.intensity(read_image(path, data.in_channels), path)[0]
 
 
 def _write_probabilities(

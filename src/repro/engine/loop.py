@@ -84,6 +84,7 @@ from repro.records.rundir import (
     prepare_run_dir,
     write_json,
 )
+from repro.records.scoring import scoring_record
 from repro.records.trace import StepTracer, state_dict_sha256, state_digests
 from repro.records.weights import KEY as WEIGHTS_KEY
 from repro.records.weights import report_row
@@ -166,7 +167,8 @@ def _train(
     reducer = make_reducer(cfg, world)
     describe(run, training, data, count, settled.loader)
     logs = open_logs(run, training, steps_per_epoch, metric_names, resume)
-    checkpoints = open_checkpoints(run, training, steps_per_epoch, resumes, resume)
+    scoring = scoring_record(data, cfg)  # what scoring the checkpoints needs besides weights
+    checkpoints = open_checkpoints(run, training, steps_per_epoch, resumes, resume, scoring)
     signals.stop_before_training(run.dir, start)
     tracer = StepTracer.for_run(t, world)
     training.model.train()
@@ -488,13 +490,14 @@ def open_checkpoints(
     steps_per_epoch: int,
     resumes: list[dict[str, Any]],
     resume: ResumePoint | None,
+    scoring: dict[str, Any] | None = None,
 ) -> Checkpointer:
     """The run's checkpoint writer, knowing the best evaluation so far (from the checkpoint
-    when resuming)."""
+    when resuming) and what scoring its checkpoints needs (``scoring``)."""
     keep = int(run.cfg.trainer.keep_checkpoints)
     best = resume.best if resume else None
     checkpoints = Checkpointer(
-        run.dir, training, run.identity, keep, steps_per_epoch, resumes, best=best
+        run.dir, training, run.identity, keep, steps_per_epoch, resumes, best, scoring
     )
     if run.world.main and resume is not None:  # best.pt as the checkpoint knows it
         checkpoints.check_best(resume.step, resume.source_run)

@@ -35,6 +35,7 @@ from repro.base.errors import CheckpointError
 from repro.base.files import BEST_FILE, CHECKPOINT_DIR, atomic_write
 from repro.base.rng import global_rng_states, set_global_rng_states
 from repro.defense.config import RELEVANT_ENVIRONMENT, RELEVANT_ON_CPU, flatten
+from repro.records.scoring import SCORING_KEY
 from repro.records.weights import KEY as WEIGHTS_KEY
 from repro.records.weights import weights_mismatches
 
@@ -582,7 +583,8 @@ class RunIdentity:
 
 class Checkpointer:
     """Writes a run's checkpoints (``checkpoints/step-N.pt`` + sidecar): everything a resume
-    needs to continue with the uninterrupted run's bits, then a read-back check
+    needs to continue with the uninterrupted run's bits and what scoring it needs
+    (``scoring``: :func:`repro.records.scoring.scoring_record`), then a read-back check
     (:func:`mark_good`) and rotation to the newest ``keep``. And ``best.pt``: the checkpoint
     of the evaluation with the best headline metric so far (:meth:`consider_best`)."""
 
@@ -595,8 +597,10 @@ class Checkpointer:
         steps_per_epoch: int,
         resumes: list[dict[str, Any]],
         best: dict[str, Any] | None = None,
+        scoring: dict[str, Any] | None = None,
     ) -> None:
         self.run_dir, self.training, self.identity = Path(run_dir), training, identity
+        self.scoring = scoring  # what scoring needs besides the weights (records.scoring)
         self.keep, self.steps_per_epoch, self.resumes = keep, steps_per_epoch, resumes
         self.last_saved: int | None = None
         self.best = best  # {"step", "metric", "value"} of the best evaluation so far
@@ -714,6 +718,7 @@ class Checkpointer:
             "resumes": self.resumes,
             "best": self.best,
             "ema": state["ema"],
+            SCORING_KEY: self.scoring,
         }
 
 

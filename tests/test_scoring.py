@@ -1,0 +1,172 @@
+"""A checkpoint scores the same for as long as it is kept: what scoring needs of the
+training data (normalisation, intensity rule, channels, class names) is in the checkpoint's
+scoring record (repro.records.scoring), so an external folder's per-image scores and a
+prediction's bytes do not move when the training folder grows, and do not need it at all.
+A checkpoint written before the record falls back to the training folder, with a warning.
+
+One native segmentation run (12-bit, non-square images, 6 steps) trains here, in this
+process, on a folder of its own that the tests grow and rename."""
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from conftest import repro_here, run_defaults, train_here
+from repro.base.errors import CheckpointError
+from repro.components.data.synthetic import write_nuclei_folder
+from repro.defense.config import compose
+from repro.engine.build import build_data
+from repro.records.checkpoint import save_checkpoint
+from repro.records.scoring import SCORING_FORMAT, ScoringRecord
+
+NATIVE = [
+    "experiment=segmentation_native",
+    "data.num_classes=3",
+    "data.channels=1",
+    "data.class_names=[background,nucleus,boundary]",
+    "data.image_size=64",
+    "data.val_fraction=0.3",
+    "model.width=8",
+    "model.depth=2",
+    "trainer.batch_size=8",
+    "trainer.micro_batch_size=4",
+    "trainer.max_steps=6",
+    "trainer.eval_every=3",
+    "trainer.checkpoint_every=3",
+    "inference.tile_batch=2",
+]
+
+
+@pytest.fixture(scope="module")
+def sealed(tmp_path_factory):
+    """The run (with the launch record train.py writes, which repro evaluate and predict
+    compose its config from), its training folder, and a held-out annotated folder."""
+    root = tmp_path_factory.mktemp("sealed")
+    training = root / "training"
+    write_nuclei_folder(training, count=12, seed=3, sizes=(90, 130))
+    heldout = root / "heldout"
+    write_nuclei_folder(heldout, count=4, seed=11, sizes=(80, 120))
+    overrides = list(run_defaults([*NATIVE, f"data.path={training}"]))
+    run = train_here(root / "run", *overrides)
+    (run.dir / ".hydra").mkdir()
+    (run.dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    run.overrides = overrides
+    return run, training, heldout
+
+
+def scored(run_dir, heldout, out):
+    """``repro evaluate RUN --folder HELDOUT`` and ``repro predict RUN HELDOUT/images
+    --probabilities``, into the folder ``out``: the per-image CSV's bytes, each prediction
+    file's bytes."""
+    out.mkdir()
+    assert repro_here("evaluate", run_dir, "--folder", heldout, "--out", out / "ext.json") == 0
+    predictions = out / "pred"
+    assert repro_here("predict", run_dir, heldout / "images", "--out", predictions,
+                      "--probabilities") == 0  # fmt: skip
+    files = {p.name: p.read_bytes() for p in sorted(predictions.iterdir())}
+    return (out / "ext_per_image.csv").read_bytes(), files
+
+
+def grow(training, tmp_path):
+    """Add 8 images of 16-bit brightness (16 times the others' values) to the training
+    folder: its first training images, and so its statistics, change. Returns the files."""
+    extra = tmp_path / "extra"
+    write_nuclei_folder(extra, count=8, seed=5, sizes=(90, 130), bits=16)
+    added = []
+    for kind in ("images", "masks"):
+        for f in sorted((extra / kind).iterdir()):
+            added.append(training / kind / f"extra_{f.name}")
+            shutil.copy(f, added[-1])
+    return added
+
+
+def test_a_checkpoint_scores_the_same_after_its_training_folder_grows_and_is_renamed(
+    sealed, tmp_path
+):
+    run, training, heldout = sealed
+    before = scored(run.dir, heldout, tmp_path / "before")
+    assert before[0].count(b"\n") == 5 and len(before[1]) == 8  # 4 rows; 4 masks, 4 .npy
+    added = grow(training, tmp_path)
+    try:
+        grown = scored(run.dir, heldout, tmp_path / "grown")
+        moved = training.with_name("training-moved")
+        training.rename(moved)
+        try:
+            gone = scored(run.dir, heldout, tmp_path / "gone")  # data.path is not there
+        finally:
+            moved.rename(training)
+        assert grown == before and gone == before
+
+        # the same checkpoint without its record (as written before it existed): the
+        # training folder as it is now decides the normalisation, and the scores move --
+        # what the record prevents -- with one warning saying so
+        old = tmp_path / "old-run"
+        shutil.copytree(run.dir, old)
+        for name in ("best.pt", "checkpoint.pt"):
+            state = torch.load(old / name, weights_only=True)
+            del state["scoring"], state["content_sha256"]
+            save_checkpoint(old / name, state)
+        records = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        logging.getLogger("repro").addHandler(handler)
+        try:
+            fallback = scored(old, heldout, tmp_path / "old")
+        finally:
+            logging.getLogger("repro").removeHandler(handler)
+    finally:
+        for f in added:  # the folder as the run trained on it, for the module's other tests
+            f.unlink()
+    warned = [r.getMessage() for r in records if "scoring record" in r.getMessage()]
+    assert len(warned) == 2 and f"data.path={training}" in warned[0], warned  # one a command
+    assert fallback[0] != before[0] and fallback[1] != before[1]
+
+
+def test_the_record_holds_the_statistics_the_run_trained_with(sealed):
+    run, training, _ = sealed
+    state = torch.load(run.dir / "checkpoint.pt", weights_only=True)
+    record = ScoringRecord.from_state(state, run.dir / "checkpoint.pt")
+    cfg = compose(run.overrides)
+    data = build_data(cfg)  # the folder as the run saw it (the other test puts it back)
+    mean, std = data.normalisation()
+    assert (record.mean, record.std) == (tuple(mean), tuple(std))
+    assert record.channels == 1 and record.num_classes == 3
+    assert record.class_names == ("background", "nucleus", "boundary")
+    assert record.intensity == {"mode": "auto"} and record.image_size == 64
+    assert record.inference["mode"] == "native" and record.inference["tile_batch"] == 2
+    assert record.eval_pipeline is None or "_target_" in record.eval_pipeline
+    assert state["scoring"]["format"] == SCORING_FORMAT
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"format": "repro.scoring.v9"}, "format 'repro.scoring.v9', which this version"),
+        ({"mean": [0.5, 0.5]}, "no channel statistics for its 1 channels"),
+        ({"std": [0.0]}, "no channel statistics"),
+        ({"class_names": ["a"]}, "names \\['a'\\] for 3 classes"),
+        ({"num_classes": "3"}, "num_classes='3'"),
+        ({"mask_map": {"1": 2}}, "mask_map="),
+    ],
+)
+def test_a_damaged_or_foreign_record_is_one_line_naming_the_file(tmp_path, change, message):
+    record = {
+        "format": SCORING_FORMAT,
+        "num_classes": 3,
+        "channels": 1,
+        "class_names": ["a", "b", "c"],
+        "image_size": 64,
+        "mean": [0.1],
+        "std": [0.2],
+        "intensity": {"mode": "auto"},
+        "mask_map": None,
+        "inference": {"mode": "native"},
+        "eval_pipeline": None,
+    }
+    path = tmp_path / "checkpoint.pt"
+    assert ScoringRecord.from_state({"scoring": record}, path).mean == (0.1,)
+    assert ScoringRecord.from_state({}, path) is None  # before the record: the fallback
+    with pytest.raises(CheckpointError, match=f"^{path}: its scoring record .*{message}"):
+        ScoringRecord.from_state({"scoring": {**record, **change}}, path)
