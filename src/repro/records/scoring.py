@@ -131,7 +131,9 @@ class ScoringRecord:
             raise bad(f"has no channel statistics for its {channels} channels")
         names = record.get("class_names")
         if names is not None and not (
-            isinstance(names, list) and len(names) == count and all(isinstance(n, str) for n in names)
+            isinstance(names, list)
+            and len(names) == count
+            and all(isinstance(n, str) for n in names)
         ):
             raise bad(f"names {names!r} for {count} classes")
         size = record.get("image_size")
