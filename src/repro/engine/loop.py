@@ -72,7 +72,7 @@ from repro.records.checkpoint import (
     read_checkpoint,
     restore_training,
 )
-from repro.records.fingerprint import environment, run_fingerprint
+from repro.records.fingerprint import SPLIT_KEY, environment, run_fingerprint
 from repro.records.loggers import Loggers, RunInfo
 from repro.records.logs import NullLog, TrainingLog
 from repro.records.rundir import (
@@ -143,7 +143,7 @@ def _train(
     built = instantiate_model(cfg, data)  # on the CPU: the same initial weights everywhere
     settled = settle(cfg, run.device, data, built[0])  # every auto left, once; none after
     training = build_training(cfg, data, settled, built)
-    run = run.resolved(settled, training, report)  # what is hashed: the settled config
+    run = run.resolved(settled, training, report, data)  # what is hashed: the settled config
     cfg, t = run.cfg, run.cfg.trainer
     report_data(report, settled.loader, data, cfg)  # loader=auto: the same bits whichever
     normalize = DeviceNormalizer(data, run.device, training.channels_last)
@@ -300,7 +300,9 @@ class Run:
         identity = RunIdentity(resolved_container(cfg), config_hash(cfg), env, device.type)
         return cls(cfg, Path(run_dir), world, device, identity, started)
 
-    def resolved(self, settled: Settled, training: Training, report: DeterminismReport) -> Run:
+    def resolved(
+        self, settled: Settled, training: Training, report: DeterminismReport, data: DataSplits
+    ) -> Run:
         """This run with its settled values that decide the bits in the config
         (:meth:`repro.engine.settle.Settled.recorded`: ``trainer.channels_last=auto`` replaced
         by the format chosen) and its identity (the config hash, what a resume compares)
@@ -308,7 +310,10 @@ class Run:
         weights files the model's construction read join its environment (env.json and
         checkpoints record them; a resume across other files is refused:
         :func:`repro.records.weights.weights_mismatches`). Both go into the determinism
-        report."""
+        report. So do what decided a folder's split besides the config (``data``'s
+        ``split_inputs``: its file names, its group or split CSV, as digests): ``repro
+        compare`` lists them, and a resume on other ones is refused
+        (:func:`repro.records.fingerprint.split_mismatches`)."""
         layout, why = settled.memory_format
         report.add("4 ops", "memory format", layout, note=why)
         files, why = report_row(training.pretrained_weights)
@@ -316,6 +321,8 @@ class Run:
         cfg = settled.recorded(self.cfg)
         ident = self.identity
         env = {**ident.environment, WEIGHTS_KEY: training.pretrained_weights}
+        if getattr(data, "split_inputs", None) is not None:  # a folder's
+            env[SPLIT_KEY] = data.split_inputs
         if cfg is self.cfg:
             identity = dataclasses.replace(ident, environment=env)
         else:

@@ -35,6 +35,7 @@ from repro.base.errors import CheckpointError
 from repro.base.files import BEST_FILE, CHECKPOINT_DIR, atomic_write
 from repro.base.rng import global_rng_states, set_global_rng_states
 from repro.defense.config import RELEVANT_ENVIRONMENT, RELEVANT_ON_CPU, flatten
+from repro.records.fingerprint import SPLIT_KEY, split_mismatches
 from repro.records.scoring import SCORING_KEY
 from repro.records.weights import KEY as WEIGHTS_KEY
 from repro.records.weights import weights_mismatches
@@ -413,6 +414,8 @@ def mismatches(
             out.append(f"environment.{key}: {a} (checkpoint) vs {b} (now)")
     # the pretrained weights files read (unknown on either side: not compared)
     out += weights_mismatches(old_env.get(WEIGHTS_KEY), environment.get(WEIGHTS_KEY))
+    # what decided a folder's split besides the config (unknown on either side: likewise)
+    out += split_mismatches(old_env.get(SPLIT_KEY), environment.get(SPLIT_KEY))
     return out
 
 

@@ -160,6 +160,45 @@ def git_state(path: Path | None = None) -> dict[str, Any]:
     }
 
 
+# environment's entry for what decided a folder's split besides the config (the file names,
+# the group and split CSVs, as digests: repro.components.data.splitting.split_inputs)
+SPLIT_KEY = "split_inputs"
+
+
+def split_mismatches(recorded: Any, now: Any) -> list[str]:
+    """One line for each input of the split (:data:`SPLIT_KEY`) that differs between a
+    checkpoint's record and this run's, naming it: the folder's file names (their count),
+    a CSV file (its path). Either side unrecorded (not a folder's data, or written before
+    the record existed): no difference."""
+    if not isinstance(recorded, dict) or not isinstance(now, dict):
+        return []
+    out = []
+    for key in sorted(recorded.keys() | now.keys()):
+        a, b = recorded.get(key) or {}, now.get(key) or {}
+        if a.get("sha256") == b.get("sha256"):
+            continue
+        if key == "file_names":
+            out.append(
+                f"environment.{SPLIT_KEY}.file_names: the files under data.path, "
+                f"{a.get('count')} (checkpoint) vs {b.get('count')} (now), names sha256 "
+                f"{str(a.get('sha256'))[:12]} vs {str(b.get('sha256'))[:12]} (files added, "
+                "removed or renamed: the split is another)"
+            )
+        else:
+            path = b.get("path") or a.get("path")
+            state = (
+                f"sha256 {str(a.get('sha256'))[:12]} (checkpoint) vs "
+                f"{str(b.get('sha256'))[:12]} (now)"
+                if a and b
+                else f"{'set' if a else 'unset'} (checkpoint) vs {'set' if b else 'unset'} (now)"
+            )
+            out.append(
+                f"environment.{SPLIT_KEY}.{key}: data.{key}={path} changed, {state} (its "
+                "rows decide the split)"
+            )
+    return out
+
+
 def run_fingerprint(
     config: dict[str, Any], config_hash: str, env: dict[str, Any] | None = None
 ) -> dict[str, Any]:

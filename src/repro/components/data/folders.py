@@ -16,7 +16,7 @@ import torch
 from repro.base.errors import DataError, MissingPackage
 from repro.components.data.intensity import Intensity
 from repro.components.data.splits import IGNORE, STATISTICS_SAMPLE, DataSplits, ImageList, Split
-from repro.components.data.splitting import assign_splits, limit_splits
+from repro.components.data.splitting import assign_splits, limit_splits, split_inputs
 
 log = logging.getLogger("repro")
 
@@ -120,6 +120,7 @@ def image_folder(
         test=split(test_idx) if test_idx is not None else None,
         image_size=image_size,
         class_names=tuple(classes),
+        split_inputs=split_inputs(names, group_csv, split_file),
     )
 
 
@@ -694,6 +695,7 @@ def image_mask_folder(
         test=test,
         image_size=image_size,
         class_names=names,
+        split_inputs=split_inputs(stems, group_csv, split_file),
     )
 
 

@@ -177,6 +177,9 @@ class DataSplits:
     # data.intensity's rule and the fraction of the values it clipped in the statistics
     # sample (repro.components.data.intensity.clipped_record): set by normalisation(); None: no rule
     intensity: dict[str, Any] | None = None
+    # what decided the split besides the config (a folder's file names, its group or split
+    # CSV), as digests: repro.components.data.splitting.split_inputs; None: in the config
+    split_inputs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.augment is not None:

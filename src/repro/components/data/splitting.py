@@ -126,6 +126,27 @@ def assign_splits(
 _WORD = {"train": "training", "val": "validation", "test": "test"}
 
 
+def split_inputs(
+    names: Sequence[str], group_csv: str | None = None, split_file: str | None = None
+) -> dict[str, dict[str, object]]:
+    """What decided a folder's split besides the config, as digests: the list of file names
+    it was drawn from (``file_names``: their count and the SHA-256 of the NFC names, one a
+    line, in sorted order) and the contents of ``data.group_csv`` and ``data.split_file``
+    (their path and the SHA-256 of their bytes), where set. A grown folder, or an edited row
+    of a CSV, changes the split under the same config: this is the run's record of them
+    (``env.json``'s ``environment.split_inputs``, which ``repro compare`` lists and a resume
+    compares; :data:`repro.records.fingerprint.SPLIT_KEY`)."""
+    listed = "".join(f"{n}\n" for n in sorted(_nfc(n) for n in names)).encode()
+    found: dict[str, dict[str, object]] = {
+        "file_names": {"count": len(names), "sha256": hashlib.sha256(listed).hexdigest()}
+    }
+    for key, path in (("group_csv", group_csv), ("split_file", split_file)):
+        if path:
+            data = Path(path).expanduser().read_bytes()  # read (and checked) by the split
+            found[key] = {"path": str(path), "sha256": hashlib.sha256(data).hexdigest()}
+    return found
+
+
 def limit_splits(
     splits: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
     names: Sequence[str],

@@ -1,12 +1,20 @@
-"""A checkpoint scores the same for as long as it is kept: what scoring needs of the
-training data (normalisation, intensity rule, channels, class names) is in the checkpoint's
-scoring record (repro.records.scoring), so an external folder's per-image scores and a
-prediction's bytes do not move when the training folder grows, and do not need it at all.
-A checkpoint written before the record falls back to the training folder, with a warning.
+"""A run directory is a sealed record.
+
+A checkpoint scores the same for as long as it is kept: what scoring needs of the training
+data (normalisation, intensity rule, channels, class names) is in the checkpoint's scoring
+record (repro.records.scoring), so an external folder's per-image scores and a prediction's
+bytes do not move when the training folder grows, and do not need it at all. A checkpoint
+written before the record falls back to the training folder, with a warning.
+
+What decided the split besides the config -- the folder's file names, a group or split
+CSV's contents -- is in the run's fingerprint (env.json, checkpoints): repro compare names
+it, and a resume on other ones is refused naming the file.
 
 One native segmentation run (12-bit, non-square images, 6 steps) trains here, in this
-process, on a folder of its own that the tests grow and rename."""
+process, on a folder of its own that the tests grow and rename; the split tests train two
+short runs of their own beside it."""
 
+import json
 import logging
 import shutil
 
@@ -15,11 +23,14 @@ import torch
 
 from conftest import repro_here, run_defaults, train_here
 from repro.base.errors import CheckpointError
+from repro.components.data.splitting import split_inputs
 from repro.components.data.synthetic import write_nuclei_folder
 from repro.defense.config import compose
 from repro.engine.build import build_data
 from repro.records.checkpoint import save_checkpoint
+from repro.records.fingerprint import SPLIT_KEY, split_mismatches
 from repro.records.scoring import SCORING_FORMAT, ScoringRecord
+from repro.tools.compare import compare_dirs
 
 NATIVE = [
     "experiment=segmentation_native",
@@ -170,3 +181,65 @@ def test_a_damaged_or_foreign_record_is_one_line_naming_the_file(tmp_path, chang
     assert ScoringRecord.from_state({}, path) is None  # before the record: the fallback
     with pytest.raises(CheckpointError, match=f"^{path}: its scoring record .*{message}"):
         ScoringRecord.from_state({"scoring": {**record, **change}}, path)
+
+
+# ---------------------------------------------------------------- what decided the split
+
+
+class Stop(Exception):
+    pass
+
+
+def stop_at(step):
+    def hook(done, model):
+        if done == step:
+            raise Stop
+
+    return hook
+
+
+def test_an_edited_group_csv_is_named_by_compare_and_refuses_the_resume(sealed, tmp_path):
+    run, training, _ = sealed
+    stems = sorted(f.stem for f in (training / "images").iterdir())
+    groups = tmp_path / "groups.csv"
+    first = "file,group\n" + "".join(f"{s},g{i // 2}\n" for i, s in enumerate(stems))
+    groups.write_text(first)
+    short = [*run.overrides, f"data.group_csv={groups}", "trainer.max_steps=4",
+             "trainer.checkpoint_every=2", "trainer.eval_every=2"]  # fmt: skip
+    with pytest.raises(Stop):
+        train_here(tmp_path / "a", *short, after_step=stop_at(3))  # a checkpoint at step 2
+    recorded = json.loads((tmp_path / "a" / "env.json").read_text())["environment"][SPLIT_KEY]
+    assert recorded["file_names"]["count"] == 12
+    assert recorded["group_csv"]["path"] == str(groups)
+
+    groups.write_text(first.replace(f"{stems[0]},g0", f"{stems[0]},g5"))  # one row edited
+    with pytest.raises(CheckpointError, match=f"data.group_csv={groups} changed"):
+        train_here(tmp_path / "a", *short, "trainer.resume=auto")
+    edited = train_here(tmp_path / "b", *short, "trainer.resume=auto")  # from step 0
+    groups.write_text(first)  # as the run trained: it resumes
+    resumed = train_here(tmp_path / "a", *short, "trainer.resume=auto")
+    assert resumed.summary["resumes"][0]["step"] == 2
+    assert resumed.summary["config_hash"] == edited.summary["config_hash"]  # one config
+    text = compare_dirs(resumed.dir, edited.dir).text()
+    assert f"{SPLIT_KEY}.group_csv.sha256" in text, text
+
+
+def test_the_split_inputs_are_digests_of_the_names_and_the_csv_bytes(tmp_path):
+    names = [f"case{i:02d}" for i in range(6)]
+    csv = tmp_path / "groups.csv"
+    csv.write_text("file,group\n" + "".join(f"{n},{n[:5]}\n" for n in names))
+    record = split_inputs(names, group_csv=str(csv))
+    assert record == split_inputs(list(reversed(names)), group_csv=str(csv))  # order: none
+    assert record["file_names"]["count"] == 6 and "split_file" not in record
+    grown = split_inputs([*names, "case99"], group_csv=str(csv))
+    assert grown["group_csv"] == record["group_csv"]
+    lines = split_mismatches(record, grown)
+    assert len(lines) == 1 and "the files under data.path, 6 (checkpoint) vs 7 (now)" in lines[0]
+    csv.write_text(csv.read_text().replace("case00,case0", "case00,other"))
+    edited = split_inputs(names, group_csv=str(csv))
+    assert edited["file_names"] == record["file_names"]
+    (line,) = split_mismatches(record, edited)
+    assert f"data.group_csv={csv} changed, sha256" in line
+    assert split_mismatches(record, None) == split_mismatches(None, record) == []  # unknown
+    assert split_mismatches(record, split_inputs(names, group_csv=str(csv))) != []
+    assert split_mismatches(edited, split_inputs(names, group_csv=str(csv))) == []
