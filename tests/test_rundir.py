@@ -344,20 +344,29 @@ def test_a_lock_or_log_that_is_a_link_is_refused_and_what_it_leads_to_is_unchang
     assert outside.read_text() == "mine\n"
 
 
-def test_a_linked_launch_record_folder_is_refused_and_what_it_leads_to_is_unchanged(tmp_path):
-    """A received run directory whose ``.hydra/`` is a link to a folder of the user's: a
-    resume into it is refused in one line before anything is written there."""
+@pytest.mark.parametrize(
+    "folder, mine", [(".hydra", "config.yaml"), ("checkpoints", "step-00000001.pt")]
+)
+def test_a_linked_launch_record_or_checkpoint_folder_is_refused_and_what_it_leads_to_is_unchanged(
+    tmp_path, folder, mine
+):
+    """A received run directory whose ``.hydra/`` or ``checkpoints/`` is a link to a folder
+    of the user's (which rotation would delete checkpoint-named files in): a resume into it
+    is refused in one line before anything is written or deleted there."""
     outside = tmp_path / "mine"
     outside.mkdir()
-    (outside / "config.yaml").write_text("mine\n")
+    (outside / mine).write_text("mine\n")
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / ".hydra").symlink_to(outside, target_is_directory=True)
-    with _refused_as_a_link(run_dir / ".hydra"):
+    (run_dir / folder).symlink_to(outside, target_is_directory=True)
+    message = (
+        f"{run_dir / folder} is a symbolic link; a run's files are never written through links"
+    )
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
         train_here(run_dir, *QUICK, "trainer.resume=auto")
-    assert sorted(os.listdir(outside)) == ["config.yaml"]
-    assert (outside / "config.yaml").read_text() == "mine\n"
-    assert sorted(os.listdir(run_dir)) == [".hydra"]
+    assert sorted(os.listdir(outside)) == [mine]
+    assert (outside / mine).read_text() == "mine\n"
+    assert sorted(os.listdir(run_dir)) == [folder]
 
 
 def test_every_file_a_run_appends_to_refuses_a_link(tmp_path):

@@ -286,12 +286,19 @@ def _ours(name: str) -> bool:
 def refuse_links(run_dir: Path) -> None:
     """A file the run writes (``train.log``, ``metrics.csv``...) that is a symbolic link is
     refused, naming it, before anything is written: a run's files are never written
-    through links. So is a linked ``.hydra/``: the launch's record is written into it and a
-    resume, ``repro rerun`` and ``evaluate`` read the run's config from it. (A linked
-    ``checkpoints/`` -- on another disk -- is the user's choice: the files in it are
-    replaced by rename.)"""
+    through links. So is a linked ``.hydra/`` (the launch's record is written into it, and a
+    resume, ``repro rerun`` and ``evaluate`` read the run's config from it) and a linked
+    ``checkpoints/`` (rotation deletes files in it: through a link, files outside the run;
+    to keep checkpoints on another disk, put the run directory there)."""
     for p in sorted(run_dir.iterdir()):
-        if p.is_symlink() and (p.name == LAUNCH_DIR or (_ours(p.name) and not p.is_dir())):
+        if not p.is_symlink():
+            continue
+        if p.name == CHECKPOINT_DIR:
+            raise ConfigError(
+                f"{str(link_refused(p)).rstrip('.')} (rotation deletes old checkpoints in it; to "
+                "keep them on another disk, put the whole run there: hydra.run.dir=...)."
+            )
+        if p.name == LAUNCH_DIR or (_ours(p.name) and not p.is_dir()):
             raise link_refused(p)
 
 
