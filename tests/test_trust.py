@@ -221,3 +221,27 @@ def test_a_run_as_train_py_records_it_passes(traced_runs, tmp_path, capsys, laun
     status, err = repro_here(["rerun", str(run), "--out", str(tmp_path / "again")], capsys)
     assert len(launches) == 1 and "the re-run failed" in err, err
     check_received(["experiment=segmentation", "augment=torchvision"], tmp_path / "o.yaml")
+
+
+def test_a_received_directorys_own_conf_and_train_py_are_never_used(
+    tmp_path, monkeypatch, capsys, launches
+):
+    """``cd RECEIVED && repro evaluate .`` (or rerun): a conf/ and train.py the sender put in
+    the directory choose nothing; the checkout's compose the config and are launched."""
+    import shutil
+    from pathlib import Path
+
+    from conftest import CONF_DIR, ROOT
+    from repro.cli import _run_config
+
+    args, record = received(tmp_path, "rerun", [])
+    run = record.parent.parent
+    shutil.copytree(CONF_DIR, run / "conf")
+    planted = (run / "conf" / "train.yaml").read_text().replace("seed: 0 ", "seed: 4242 ")
+    (run / "conf" / "train.yaml").write_text(planted)
+    (run / "train.py").write_text("raise SystemExit('the sender train.py ran')\n")
+    monkeypatch.chdir(run)
+    assert "seed: 4242" in planted and int(_run_config(Path("."), []).seed) == 0
+    status, _ = repro_here(["rerun", ".", "--out", str(tmp_path / "out")], capsys)
+    assert status != 0 and len(launches) == 1  # the launch recorded, not run
+    assert Path(launches[0][1]) == ROOT / "train.py"

@@ -124,13 +124,16 @@ def cmd_rerun(args: argparse.Namespace) -> int:
 
     job = Path(args.job_dir)
     overrides = launch_overrides(job, "a job directory of a sweep")
+    conf = find_conf_dir(received=job)  # never a conf/ (or train.py) inside the job's folder
     # before train.py starts: a received job's record must not run code (docs/trust.md)
-    check_received(overrides, job / OVERRIDES_FILE, trust=args.trust, loaders=args.trust_loader)
+    check_received(
+        overrides, job / OVERRIDES_FILE, trust=args.trust, loaders=args.trust_loader, conf_dir=conf
+    )
     stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     out = Path(args.out) if args.out else job / "rerun" / stamp
     if out.exists() and any(out.iterdir()):
         raise ReproError(f"{out}: exists and is not empty; give another --out.")
-    train_py = find_conf_dir().parent / "train.py"
+    train_py = conf.parent / "train.py"
     cmd = [sys.executable, str(train_py), *overrides, f"hydra.run.dir={hydra_quoted(str(out))}"]
     print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
     # training output to stderr: stdout is the verdict
@@ -207,14 +210,16 @@ def _run_config(
     has found nothing in it that would run code the user has not trusted (``trust``,
     ``loaders``: ``--trust``, ``--trust-loader``). ``training_data`` False: its ``data.path``
     need not exist (:func:`repro.defense.config.validate`)."""
-    from repro.defense.config import compose
+    from repro.defense.config import compose, find_conf_dir
     from repro.records.trust import check_received
 
     received = launch_overrides(run_dir)
+    conf = find_conf_dir(received=run_dir)  # the checkout's: never one inside the run
     check_received(
-        received, run_dir / OVERRIDES_FILE, overrides, trust=trust, loaders=loaders or []
-    )
-    return compose([*received, *overrides], training_data=training_data)
+        received, run_dir / OVERRIDES_FILE, overrides, trust=trust, loaders=loaders or [],
+        conf_dir=conf,
+    )  # fmt: skip
+    return compose([*received, *overrides], conf, training_data=training_data)
 
 
 def _prepared(args: argparse.Namespace, training_data: bool = True):

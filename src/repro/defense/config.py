@@ -1044,12 +1044,26 @@ def config_hash(cfg: DictConfig) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def find_conf_dir() -> Path:
+def find_conf_dir(received: Path | None = None) -> Path:
     """``./conf`` when it holds ``train.yaml``, else the ``conf/`` next to this checkout's
-    ``src/`` (an editable install)."""
+    ``src/`` (an editable install). ``received``: a directory a command reads (a received run
+    or sweep): a ``conf/`` inside it is never the one (its YAML would choose the code the
+    command builds and runs; ``cd RECEIVED && repro evaluate .`` composes with the
+    checkout's)."""
+    skipped = []
     for candidate in (Path.cwd() / "conf", CHECKOUT_DIR / "conf"):
-        if (candidate / "train.yaml").is_file():
-            return candidate
+        if not (candidate / "train.yaml").is_file():
+            continue
+        if received is not None and candidate.resolve().is_relative_to(Path(received).resolve()):
+            skipped.append(candidate)
+            continue
+        return candidate
+    if skipped:
+        raise ConfigError(
+            f"{skipped[0]} is inside {received}, a directory this command reads, and its "
+            "conf/ is never used; run the command from your project's root (where its own "
+            "conf/train.yaml is)."
+        )
     raise ConfigError(
         "no conf/train.yaml found in the current directory or next to the repro package; "
         "run from the project root or pass --config-dir."

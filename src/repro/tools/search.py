@@ -95,7 +95,7 @@ def top_trials(sweep_dir: Path, top: int) -> tuple[list[Trial], list[Any], str]:
     return trials, seeds, headline
 
 
-def check_the_config_repeats(trial: Trial) -> None:
+def check_the_config_repeats(trial: Trial, conf_dir: Path | None = None) -> None:
     """The trial's overrides without the search's (and its seed) must compose the config it
     ran (``.hydra/config.yaml``): a search preset that also set run keys, or a conf/ edited
     since, would have the re-runs train something else."""
@@ -106,7 +106,7 @@ def check_the_config_repeats(trial: Trial) -> None:
     path = trial.job.dir / ".hydra" / "config.yaml"
     if not path.is_file():
         return
-    cfg = compose([*trial.overrides, f"seed={trial.job.seed}"])
+    cfg = compose([*trial.overrides, f"seed={trial.job.seed}"], conf_dir)
     now = flatten(OmegaConf.to_container(cfg, resolve=False, enum_to_str=True))
     then = flatten(load_yaml(path))
     differ = sorted(
@@ -161,17 +161,21 @@ def confirm(
     trials, used, headline = top_trials(sweep_dir, top)
     if len(trials) < 2:
         raise ReproError(f"{sweep_dir}: one distinct config finished; nothing to compare it with.")
+    conf = find_conf_dir(received=sweep_dir)  # the checkout's: never one inside the sweep
     for t in trials:  # before anything is composed and built from them, or launched
         record = t.job.dir / OVERRIDES_FILE
-        check_received(t.overrides, record, extra or [], trust=trust, loaders=trust_loaders or [])
+        check_received(
+            t.overrides, record, extra or [], trust=trust, loaders=trust_loaders or [],
+            conf_dir=conf,
+        )  # fmt: skip
     for t in trials:
-        check_the_config_repeats(t)
+        check_the_config_repeats(t, conf)
     chosen = fresh_seeds(used, seeds)
     stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     out = Path(out) if out else sweep_dir / f"confirm_{stamp}"
     if out.exists() and any(out.iterdir()):
         raise ReproError(f"{out}: exists and is not empty; give another --out.")
-    train_py = find_conf_dir().parent / "train.py"
+    train_py = conf.parent / "train.py"
     log(
         f"confirming the top {len(trials)} of {sweep_dir} by {headline}, each over seeds "
         f"{','.join(map(str, chosen))} (the search used {','.join(map(str, used))}), into {out}"
