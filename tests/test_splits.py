@@ -4,6 +4,7 @@ keys through image_mask_folder and its config; `repro report` pooling folds x se
 pairing jobs by (seed, fold)."""
 
 import json
+import re
 import statistics
 import unicodedata
 
@@ -334,3 +335,33 @@ def test_report_pools_folds_and_seeds_and_pairs_by_seed_and_fold(tmp_path):
     for table in text.split("\n\n"):
         rows = [r for r in table.splitlines() if r.startswith("|")]
         assert len({r.count("|") for r in rows}) <= 1, rows[:3]
+
+
+@pytest.mark.parametrize("layout", ["image_mask_folder", "image_folder"])
+def test_a_file_name_that_is_not_utf8_is_one_line_naming_it(tmp_path, layout):
+    """Bytes a file system holds but no text encodes (Latin-1 names copied from an old
+    archive): the split hashes the name's text, so the file is named, not a traceback."""
+    import os
+
+    from repro.components.data import image_folder, image_mask_folder
+
+    root = tmp_path / "data"
+    if layout == "image_mask_folder":
+        _mask_folder(root, ["a", "b", "c"])
+        bad = [os.fsencode(root / k / "c.png") for k in ("images", "masks")]
+        build = lambda: image_mask_folder(str(root), num_classes=2, channels=1)  # noqa: E731
+    else:
+        from PIL import Image
+
+        for cls in ("ant", "bee"):
+            (root / cls).mkdir(parents=True)
+            for i in range(2):
+                Image.new("RGB", (8, 8)).save(root / cls / f"{i}.png")
+        bad = [os.fsencode(root / "bee" / "1.png")]
+        build = lambda: image_folder(str(root))  # noqa: E731
+    for name in bad:
+        os.rename(name, name.replace(b"/1.png", b"/\xe91.png").replace(b"/c.png", b"/\xe9c.png"))
+    renamed = bad[0].replace(b"/1.png", b"/\xe91.png").replace(b"/c.png", b"/\xe9c.png")
+    message = f"data.path={str(root)!r}: the file name {renamed!r} is not UTF-8 text; rename it"
+    with pytest.raises(DataError, match=f"^{re.escape(message)}"):
+        build()

@@ -150,7 +150,7 @@ def external_split(cfg: DictConfig, data: ScoredData, folder: Path) -> Any:
     checkpoint's record of it, ``data``: channels, intensity rule, mask map, classes; see
     :func:`evaluate_folder`)."""
     from repro.components.data import LazyImageMasks, LazyImages
-    from repro.components.data.folders import IMAGE_SUFFIXES, image_mask_pairs
+    from repro.components.data.folders import IMAGE_SUFFIXES, check_text_name, image_mask_pairs
 
     target = str(cfg.data._target_)
     rule = data.intensity
@@ -181,6 +181,8 @@ def external_split(cfg: DictConfig, data: ScoredData, folder: Path) -> Any:
         ]
         if not files:
             raise ConfigError(f"--folder {folder}: no image files in its class folders.")
+        for f, _ in files:
+            check_text_name(f, "--folder", folder)
         labels = torch.tensor([label for _, label in files])
         return LazyImages([f for f, _ in files], labels, "stop", data.in_channels, rule, folder)
     raise ConfigError(
@@ -347,10 +349,13 @@ def predict(
     the checkpoint's where it can change them is refused, unless ``force``. Returns the
     count."""
     from repro.components.data import IMAGE_SUFFIXES
+    from repro.components.data.folders import check_text_name
 
     files = sorted(p for p in inputs.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
         raise ConfigError(f"{inputs}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))}).")
+    for f in files:  # named in the output: text
+        check_text_name(f, "INPUT_DIR", inputs)
     state = load_checkpoint(checkpoint, map_location=device)
     data = scoring_data(cfg, state, checkpoint)  # statistics, channels, classes: recorded
     training, differences = restored(cfg, checkpoint, state, device, data, force)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -124,16 +125,36 @@ def image_folder(
     )
 
 
+def check_text_name(file: Path, key: str, path: str | Path) -> None:
+    """A file whose name (its path under ``path``, the folder ``key`` gave) is not UTF-8 text
+    (bytes the file system holds but no text encodes, as Python's surrogate escapes) is one
+    line naming the file: a split is a keyed hash of the name's text, and records write
+    it."""
+    root = Path(path).expanduser()
+    try:
+        str(file.relative_to(root) if file.is_relative_to(root) else file.name).encode("utf-8")
+    except UnicodeEncodeError:
+        raise DataError(
+            f"{key}={str(path)!r}: the file name {os.fsencode(file)!r} is not UTF-8 text; "
+            "rename it (its split is a keyed hash of the name as text)."
+        ) from None
+
+
 def _class_files(root: Path, path: str) -> tuple[list[str], list[tuple[Path, int]]]:
     """The sorted class folders under ``root`` and every image in them with its class index
     (sorted within each class); fewer than 2 classes, or no image, is one line."""
-    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    folders = sorted(d for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    for d in folders:
+        check_text_name(d, "data.path", path)
+    classes = [d.name for d in folders]
     files = [
         (f, label)
         for label, name in enumerate(classes)
         for f in sorted((root / name).rglob("*"))
         if f.suffix.lower() in IMAGE_SUFFIXES
     ]
+    for f, _ in files:  # its path under data.path: class and sub-folders too
+        check_text_name(f, "data.path", path)
     if len(classes) < 2 or not files:
         raise DataError(
             f"data.path={path!r} holds {len(classes)} class folder(s) and {len(files)} "
@@ -718,6 +739,7 @@ def image_mask_pairs(
     for f in sorted(image_dir.iterdir()):
         if f.suffix.lower() not in IMAGE_SUFFIXES or f.name.startswith("."):
             continue
+        check_text_name(f, key, path)
         if f.stem in images:
             raise DataError(
                 f"{key}={str(path)!r}: images/{images[f.stem].name} and images/{f.name} are two "
@@ -728,6 +750,7 @@ def image_mask_pairs(
     for f in sorted(mask_dir.iterdir()):
         if f.suffix.lower() not in MASK_SUFFIXES or f.name.startswith("."):
             continue
+        check_text_name(f, key, path)
         if f.stem in masks:
             raise DataError(
                 f"{key}={str(path)!r}: masks/{masks[f.stem].name} and masks/{f.name} are two "
