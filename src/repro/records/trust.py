@@ -20,8 +20,7 @@ unless the user passes ``--trust`` (as transformers' ``trust_remote_code``). A l
 runs the code a file holds (:data:`LOADERS`: ``torch.load`` without ``weights_only=true``,
 ``numpy.load`` with ``allow_pickle``, ``pickle.*``...) is refused even then, unless named
 one by one (``--trust-loader torch.load``). Hydra's own instantiate blocklist (hydra-core
-1.3.8 and later) is not relied on: ``hydra-core>=1.3`` is allowed, and a blocklist is not an
-allow-list.
+1.3.4 and later, the project's floor) is not relied on: a blocklist is not an allow-list.
 """
 
 from __future__ import annotations
