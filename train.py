@@ -89,6 +89,10 @@ def main(cfg: DictConfig) -> float:
         # created (a relaunch into either can still take it)
         new = run_dir.is_dir() and not any(run_dir.iterdir())
         if hydra_cfg.mode != RunMode.MULTIRUN:
+            if not taken:  # the folders this launch made for its run go again, if empty
+                from repro.engine.callbacks import remove_unused_output_dir
+
+                remove_unused_output_dir()
             if isinstance(err, ReproError):
                 exit_with(err)
             if not taken:

@@ -57,12 +57,18 @@ def test_a_refused_launch_changes_no_byte(finished, tmp_path, extra, message):
 
 def test_a_config_that_cannot_build_is_refused_before_the_directory_is_touched(tmp_path):
     """The model (and the data) are built before the run directory is taken: a model that
-    raises leaves the directory as it was (here: empty, as Hydra creates it)."""
-    run_dir = tmp_path / "run"
-    refused = run_train(run_dir, *QUICK, "model.width=0", check=False)
+    raises leaves nothing -- the folders the launch made for its run are removed again --
+    and a directory that was there (empty) as it was."""
+    run_dir = tmp_path / "new" / "run"
+    refused = run_train(run_dir, *QUICK, "model.width=0", check=False, cwd=tmp_path)
     assert refused.proc.returncode == 1
     assert "model._target_='repro.models.ConvNet' could not be built" in refused.proc.stderr
-    assert list(run_dir.iterdir()) == []  # no .lock, .hydra/ or train.log
+    assert list(tmp_path.iterdir()) == []  # not even tmp_path/new
+    run_dir.mkdir(parents=True)  # the user's own, empty
+    assert (
+        run_train(run_dir, *QUICK, "model.width=0", check=False, cwd=tmp_path).proc.returncode == 1
+    )
+    assert run_dir.is_dir() and list(run_dir.iterdir()) == []  # no .lock, .hydra/ or train.log
 
 
 def test_a_run_directory_in_use_is_refused_naming_its_holder(tmp_path):

@@ -47,16 +47,37 @@ def _basic_sweeper(config: DictConfig) -> bool:
     return str(config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper")
 
 
+# the folders make_output_dir created in this process, the run's (or sweep's) own first
+_CREATED: list[Path] = []
+
+
 def make_output_dir(path: str, key: str) -> None:
     """Create the run's (or sweep's) directory, as Hydra is about to: a read-only
     filesystem, a path under /proc or one longer than the OS allows is then one line naming
-    the key, not Hydra's traceback. Called last: a refused config leaves nothing."""
+    the key, not Hydra's traceback. Called last: a refused config leaves nothing (and a
+    launch refused later, before it takes the directory, removes what this made:
+    :func:`remove_unused_output_dir`)."""
+    target = Path(path)
+    missing = [p for p in (target, *target.parents) if not p.exists()]
     try:
-        Path(path).mkdir(parents=True, exist_ok=True)
+        target.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise ConfigError(
             f"config error: {key}={path}: cannot be created ({err.strerror}); choose another {key}."
         ) from None
+    _CREATED[:] = missing
+
+
+def remove_unused_output_dir() -> None:
+    """A launch refused before it took its run directory (a config that cannot build, a
+    run directory that is someone else's): the folders :func:`make_output_dir` created for
+    it go again, each only while empty, so a refused launch leaves no trace."""
+    for folder in _CREATED:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (or gone): someone's now; nothing above it is removed
+            break
+    _CREATED.clear()
 
 
 _HYDRAS: dict[str, Any] = {}  # Hydra's own JobReturn.return_value, before it is replaced
