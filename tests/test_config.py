@@ -293,6 +293,29 @@ def test_a_bad_value_in_a_sweep_stops_the_whole_sweep_before_it_starts(tmp_path,
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.e2e
+def test_a_data_folder_a_sweep_cannot_read_stops_it_once_before_the_first_job(tmp_path):
+    """An image mask folder with an image without its mask: one line, naming the file and
+    the job, before the sweep's directory exists -- not the same failure in every job."""
+    from repro.components.data.synthetic import write_nuclei_folder
+
+    data = tmp_path / "data"
+    write_nuclei_folder(data, count=4, seed=1, sizes=(40, 60))
+    (data / "masks" / "cell_002.png").unlink()
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = launch.run(
+        train_cmd("-m", "seed=0,1", "experiment=segmentation_native", f"data.path={data}",
+                  "data.num_classes=3", "data.channels=1", "trainer.max_steps=1"),
+        cwd=work, env=user_env(), capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "images/cell_002.png" in lines[0], lines
+    assert "seed=0" in lines[0].split("(in the sweep job ")[1]  # the first job's, once
+    assert list(work.iterdir()) == []
+
+
 def test_check_overrides_leaves_what_it_does_not_know_to_hydra():
     check_overrides(
         [

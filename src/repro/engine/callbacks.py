@@ -25,7 +25,10 @@ from repro.defense.process_env import pin_process_environment, under_torchrun
 
 def validate_sweep_jobs(config: DictConfig) -> None:
     """Compose and validate every job of a sweep the way Hydra's basic sweeper will, so that a
-    bad value in any job stops the sweep before its directory exists or a job has run."""
+    bad value in any job stops the sweep before its directory exists or a job has run; and
+    list the data each job reads from disk once for each distinct ``data`` config
+    (:func:`check_sweep_data`): a folder that cannot be a dataset is one line before the
+    first job, not the same failure in every job."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -35,12 +38,48 @@ def validate_sweep_jobs(config: DictConfig) -> None:
     loader = GlobalHydra.instance().config_loader()
     parser = OverridesParser.create(config_loader=loader)
     overrides = parser.parse_overrides(list(config.hydra.overrides.task))
+    jobs = []
     for batch in BasicSweeper.split_arguments(overrides, None):
         for job in batch:
             try:
-                validate(loader.load_sweep_config(config, list(job)))
+                composed = loader.load_sweep_config(config, list(job))
+                validate(composed)
             except ConfigError as err:
                 raise ConfigError(f"{err} (in the sweep job {' '.join(job)})") from None
+            jobs.append((list(job), composed))
+    check_sweep_data(jobs)
+
+
+def check_sweep_data(jobs: list[tuple[list[str], DictConfig]]) -> None:
+    """Each distinct ``data`` config of a sweep's jobs that is an image folder
+    (``image_folder``, ``image_mask_folder``) built once, lazily (``in_memory`` off: its
+    files are listed and split, not read), before the first job: a missing mask, a class
+    folder too few, a group CSV without a file's row, a name that is not text is one line
+    naming the job. Each job builds its data again, as a run does (the same function: no
+    result is carried from here)."""
+    from omegaconf import OmegaConf
+
+    from repro.base.errors import DataError
+    from repro.engine.build import instantiate_target
+
+    seen: set[str] = set()
+    for job, cfg in jobs:
+        node = cfg.get("data")
+        target = str(node.get("_target_", "")) if isinstance(node, DictConfig) else ""
+        if not target.endswith((".image_folder", ".image_mask_folder")):
+            continue
+        key = OmegaConf.to_yaml(node, resolve=True)
+        if key in seen:
+            continue
+        seen.add(key)
+        listed = OmegaConf.to_container(node, resolve=True)
+        if "in_memory" in listed:
+            listed["in_memory"] = False  # list, do not read
+        try:
+            instantiate_target(OmegaConf.create(listed), "data")
+        except ReproError as err:
+            kind = ConfigError if isinstance(err, ConfigError) else DataError
+            raise kind(f"{err} (in the sweep job {' '.join(job)})") from None
 
 
 def _basic_sweeper(config: DictConfig) -> bool:
