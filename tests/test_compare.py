@@ -317,7 +317,13 @@ def test_a_trace_or_env_holding_what_no_run_writes_is_one_line_naming_it(tmp_pat
         (fake_trace_run(tmp_path / name.replace(" ", "-"), [*lines[:2], line]), "trace.jsonl:3")
         for name, line in BAD_RECORDS.items()
     ]
-    for name, env in (("env-huge", '{"config": {"seed": ' + HUGE + "}}"), ("env-deep", DEEP)):
+    envs = {
+        "env-huge": '{"config": {"seed": ' + HUGE + "}}",
+        "env-deep": DEEP,
+        "env-config-a-number": '{"config": 5}',  # JSON, but not a run's record
+        "env-environment-a-list": '{"config": {}, "environment": [1]}',
+    }
+    for name, env in envs.items():
         cases.append((fake_trace_run(tmp_path / name, lines, env=env), "env.json"))
     for b, where in cases:
         for args in ([], ["--tolerance", "1"]):

@@ -107,8 +107,11 @@ def load_run(path: str | Path) -> RunRecords:
             env = parse_json((path / ENV_FILE).read_bytes())
             if not isinstance(env, dict):
                 raise ValueError("not a JSON object")
+            for key in ("config", "environment", "flags", "env_vars", "git"):
+                if env.get(key) is not None and not isinstance(env[key], dict):
+                    raise ValueError(f"its {key!r} is a {type(env[key]).__name__}, not an object")
         except ValueError as err:
-            raise ReproError(f"{path / ENV_FILE}: not JSON ({err}); the file is damaged.") from None
+            raise ReproError(f"{path / ENV_FILE}: not a run's record ({err}); the file is damaged.") from None
     else:
         notes.append(f"{path}: no {ENV_FILE}; environment and config not compared")
     return RunRecords(path, steps, env, notes)
