@@ -167,8 +167,7 @@ def _train(
     reducer = make_reducer(cfg, world)
     describe(run, training, data, count, settled.loader)
     logs = open_logs(run, training, steps_per_epoch, metric_names, resume)
-    scoring = scoring_record(data, cfg)  # what scoring the checkpoints needs besides weights
-    checkpoints = open_checkpoints(run, training, steps_per_epoch, resumes, resume, scoring)
+    checkpoints = open_checkpoints(run, training, steps_per_epoch, resumes, resume, data)
     signals.stop_before_training(run.dir, start)
     tracer = StepTracer.for_run(t, world)
     training.model.train()
@@ -497,12 +496,14 @@ def open_checkpoints(
     steps_per_epoch: int,
     resumes: list[dict[str, Any]],
     resume: ResumePoint | None,
-    scoring: dict[str, Any] | None = None,
+    data: DataSplits,
 ) -> Checkpointer:
     """The run's checkpoint writer, knowing the best evaluation so far (from the checkpoint
-    when resuming) and what scoring its checkpoints needs (``scoring``)."""
+    when resuming) and what scoring its checkpoints needs of ``data`` (their scoring record,
+    :func:`repro.records.scoring.scoring_record`)."""
     keep = int(run.cfg.trainer.keep_checkpoints)
     best = resume.best if resume else None
+    scoring = scoring_record(data, run.cfg)
     checkpoints = Checkpointer(
         run.dir, training, run.identity, keep, steps_per_epoch, resumes, best, scoring
     )
