@@ -20,6 +20,7 @@ record falls back to the training folder, with one warning.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,7 @@ def _evaluated(
     cfg: DictConfig,
     checkpoint: Path,
     device: torch.device,
-    split_of: Any,
+    split_of: Callable[[ScoredData], Split],
     name: str,
     force: bool,
     per_sample: Path | None,
