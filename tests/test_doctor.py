@@ -3,6 +3,7 @@
 import sys
 
 import pytest
+import torch
 
 import launch
 from conftest import CONF_DIR, ROOT, user_env
@@ -73,3 +74,26 @@ def test_bad_overrides_are_one_line(tmp_path):
     assert out.returncode == 2
     assert "model=nope is not an option" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_module_called_twice_is_named_by_its_call_number():
+    """A reused module's calls: its name for the first, name#2 for the second (not #1)."""
+    from torch import nn
+
+    from repro.engine.doctor import Probe
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.shared(self.shared(x))
+
+    model = Twice()
+    probe = Probe(model, keep_tensors=False)
+    try:
+        model(torch.zeros(2, 4, requires_grad=True)).sum().backward()
+    finally:
+        probe.remove()
+    assert list(probe.calls) == ["", "shared", "shared#2"]

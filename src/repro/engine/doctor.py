@@ -88,7 +88,7 @@ def set_flags(strict: bool, fill: bool = False) -> None:
 class Call:
     """One call of one module during one forward/backward."""
 
-    name: str  # qualified name ("" for the model), with "#n" for the n-th call when reused
+    name: str  # qualified name ("" for the model), "name#n" for its n-th call (n >= 2) when reused
     kind: str
     module: nn.Module
     order: int
@@ -119,7 +119,7 @@ class Probe:
         def hook(module: nn.Module, args: tuple) -> tuple:
             n = self._counts.get(name, 0)
             self._counts[name] = n + 1
-            key = name if n == 0 else f"{name}#{n}"
+            key = name if n == 0 else f"{name}#{n + 1}"  # its 2nd call is #2
             call = Call(key, type(module).__name__, module, len(self.calls))
             self.calls[key] = call
             self._stack.append(key)

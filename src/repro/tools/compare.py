@@ -111,7 +111,9 @@ def load_run(path: str | Path) -> RunRecords:
                 if env.get(key) is not None and not isinstance(env[key], dict):
                     raise ValueError(f"its {key!r} is a {type(env[key]).__name__}, not an object")
         except ValueError as err:
-            raise ReproError(f"{path / ENV_FILE}: not a run's record ({err}); the file is damaged.") from None
+            raise ReproError(
+                f"{path / ENV_FILE}: not a run's record ({err}); the file is damaged."
+            ) from None
     else:
         notes.append(f"{path}: no {ENV_FILE}; environment and config not compared")
     return RunRecords(path, steps, env, notes)
