@@ -132,6 +132,26 @@ def test_without_per_sample_records_the_seeds_decide_and_it_says_so(tmp_path):
     assert "seeds only: 0_seed=0 (the baseline's seed 0): no val_per_image.csv" in c["verdict"]
 
 
+def test_values_that_differ_by_round_off_are_the_same_not_significant(tmp_path):
+    """Two configs whose per-seed values differ by an ulp or two (a metric summed in another
+    order): the same, no test -- a t-test of such differences gives p = 1e-58."""
+    base = design(0.003, 0.003, 0.0)["0.05"]
+    out = sweep(tmp_path, {"0.05": base, "0.1": base}, range(5), per_sample=False)
+    for summary in sorted(out.glob("*/summary.json"))[5:]:  # the group's jobs
+        record = json.loads(summary.read_text())
+        record["val_dice"] = math.nextafter(math.nextafter(record["val_dice"], 2), 2)
+        summary.write_text(json.dumps(record))
+    baseline = [json.loads(p.read_text())["val_dice"] for p in sorted(out.glob("*/summary.json"))]
+    c = build_report(out)["comparisons"][0]
+    assert c["group"].endswith("0.1") and c["mean_diff"] > 0  # two ulps apart, each seed
+    assert c["within_resolution"] and c.get("p_value") is None and c["outcome"] == "same"
+    assert "the same val_dice for every seed, to floating-point resolution" in c["verdict"]
+    # a real difference the size of the values' spread is still tested
+    moved = [v + 1e-9 * (i + 1) for i, v in enumerate(baseline[:5])]  # a million ulps
+    assert stats.paired(baseline[:5], moved)["p_value"] < 0.05
+    assert not stats.within_resolution([0.5], [0.5 + 1e-12])
+
+
 def test_a_collapsed_seed_is_named_and_the_medians_lead(tmp_path):
     """Seed 1 trained to all-background (Dice 0 on every image) in both configs, about 1.5 SD
     from the mean of 5: named as collapsed, not by an outlier rule; the verdict rests on

@@ -413,6 +413,8 @@ def outcome(c: dict[str, Any]) -> str:
     ``same`` (the same value for every seed); or ``can't tell``. The rules of
     :func:`verdict`."""
     d = c.get("decision")
+    if c.get("paired") and c.get("within_resolution"):  # round-off apart: no test
+        return "same"
     if "mean_diff" not in c or "ci95" not in c or not d:
         return "can't tell"
     if c["paired"] and c["mean_diff"] == 0 and c.get("sd_diff") == 0:
@@ -547,6 +549,13 @@ def verdict(c: dict[str, Any]) -> str:
     if "mean_diff" not in c:
         side = "the baseline" if not c["n_baseline"] else "this group"
         return f"{prefix}can't tell: {side} has no finished seed with a value of {c['metric']}"
+    if c["paired"] and c.get("within_resolution"):
+        every = "every seed and fold" if c.get("by_fold") else "every seed"
+        return (
+            f"{prefix}the same {c['metric']} for {every}, to floating-point resolution "
+            f"({how}; each differs by at most {stats.RESOLUTION_ULPS} units in the last place: "
+            "round-off, not spread, so no test)"
+        )
     if "ci95" not in c:
         return (
             f"{prefix}can't tell: {how}, no spread to judge by; run 2 or more seeds of each "

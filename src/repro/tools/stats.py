@@ -119,9 +119,26 @@ def correlation(a: list[float], b: list[float]) -> float | None:
     return float(_scipy_stats().pearsonr(a, b).statistic)
 
 
+# Differences of at most this many units in the last place of the values compared are
+# round-off, not spread: a metric summed in another order (another reduction, another
+# batch split) moves by a few ulps, and a t-test of such differences gives p = 1e-58.
+RESOLUTION_ULPS = 16
+
+
+def within_resolution(baseline: list[float], group: list[float]) -> bool:
+    """Whether each pair differs by at most :data:`RESOLUTION_ULPS` units in the last place
+    of the larger of the two (floating-point resolution): the same value, computed twice."""
+    return all(
+        abs(g - b) <= RESOLUTION_ULPS * math.ulp(max(abs(b), abs(g)))
+        for b, g in zip(baseline, group, strict=True)
+    )
+
+
 def paired(baseline: list[float], group: list[float]) -> dict[str, Any]:
     """The paired t-test of ``group - baseline`` (the same seeds, in the same order): the
-    t interval of the mean of the differences, with n - 1 degrees of freedom."""
+    t interval of the mean of the differences, with n - 1 degrees of freedom. Differences
+    that are all round-off (:func:`within_resolution`, not all zero) get no test:
+    ``within_resolution`` says so, and the values are the same."""
     if len(baseline) != len(group):
         raise ValueError("paired: the two sides differ in length")
     diffs = [g - b for b, g in zip(baseline, group, strict=True)]
@@ -130,6 +147,10 @@ def paired(baseline: list[float], group: list[float]) -> dict[str, Any]:
     if n == 0:
         return out
     out["mean_diff"] = statistics.fmean(diffs)
+    if any(diffs) and within_resolution(baseline, group):
+        out["within_resolution"] = True  # no spread to test: the same values, rounded apart
+        out["sd_diff"] = statistics.stdev(diffs) if n >= 2 else None
+        return out
     if n >= 2:
         sd = statistics.stdev(diffs)
         out["sd_diff"] = sd
