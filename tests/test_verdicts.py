@@ -152,6 +152,17 @@ def test_values_that_differ_by_round_off_are_the_same_not_significant(tmp_path):
     assert not stats.within_resolution([0.5], [0.5 + 1e-12])
 
 
+def test_a_verdict_on_two_seeds_is_labelled_unreliable_with_the_seeds_needed(tmp_path):
+    _, c = comparison(tmp_path, design(0.003, 0.003, 0.03), seeds=range(2), sesoi=0.01)
+    few = c["decision"]["few_seeds"]
+    assert few["seeds"] == 2 and few["target"] == 0.01 and few["seeds_needed"] >= 2
+    assert "UNRELIABLE: 2 seeds a config, fewer than 3" in c["verdict"]
+    assert f"about {few['seeds_needed']} would resolve δ at this spread" in c["verdict"]
+    (tmp_path / "three").mkdir()
+    _, enough = comparison(tmp_path / "three", design(0.003, 0.003, 0.03), seeds=range(3))
+    assert "few_seeds" not in enough["decision"] and "UNRELIABLE" not in enough["verdict"]
+
+
 def test_a_collapsed_seed_is_named_and_the_medians_lead(tmp_path):
     """Seed 1 trained to all-background (Dice 0 on every image) in both configs, about 1.5 SD
     from the mean of 5: named as collapsed, not by an outlier rule; the verdict rests on

@@ -204,6 +204,14 @@ def judge(
                 delta, c["sd_diff"], c["paired"], fixed, images
             )
             decision["samples_limit"] = stats.samples_limit(delta, fixed)
+    fewest = c["n"] if c["paired"] else min(c["n_baseline"], c["n_group"])
+    if fewest < stats.FEW_SEEDS:  # labelled: the test's error rates are not held
+        target = delta if delta is not None else abs(decision["mean_diff"])
+        fixed = (c.get("two_level") or {}).get("sample_var", 0.0)
+        images = min((c.get("two_level") or {}).get("samples") or [0]) or None
+        sd = c.get("sd_diff")
+        needed = stats.seeds_needed(target, sd, c["paired"], fixed, images) if sd else None
+        decision["few_seeds"] = {"seeds": fewest, "target": target, "seeds_needed": needed}
     if c["paired"]:
         a = [ok["baseline"][k].summary[c["metric"]] for k in seeds]
         b = [ok["group"][k].summary[c["metric"]] for k in seeds]
@@ -583,6 +591,37 @@ def verdict(c: dict[str, Any]) -> str:
         return w
 
     kind = outcome(c)  # the rules; the sentence below only words them
+    return _few_seeds(c, decision, _worded(c, decision, kind, robust, prefix, how, seeds, word))
+
+
+def _few_seeds(c: dict[str, Any], decision: dict[str, Any], text: str) -> str:
+    """``text``, labelled when a config has fewer than :data:`repro.tools.stats.FEW_SEEDS`
+    seeds: how many seeds the observed spread needs for δ (else the observed difference)."""
+    few = decision.get("few_seeds")
+    if not few:
+        return text
+    label = (
+        f"; UNRELIABLE: {few['seeds']} seeds a config, fewer than {stats.FEW_SEEDS} (the "
+        "test's error rates are not held there)"
+    )
+    if few["seeds_needed"] is not None:
+        what = "δ" if decision.get("sesoi") is not None else "the observed difference"
+        label += f"; about {few['seeds_needed']} would resolve {what} at this spread"
+    return text + label
+
+
+def _worded(
+    c: dict[str, Any],
+    decision: dict[str, Any],
+    kind: str,
+    robust: dict[str, Any] | None,
+    prefix: str,
+    how: str,
+    seeds: str,
+    word: Any,
+) -> str:
+    """The verdict's sentence for the decided ``kind`` (see :func:`verdict`)."""
+    d = c["mean_diff"]
     if robust:
         return prefix + _robust_verdict(robust, decision, kind, d, how, seeds, word)
     mean = decision["mean_diff"]

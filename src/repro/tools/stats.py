@@ -119,6 +119,11 @@ def correlation(a: list[float], b: list[float]) -> float | None:
     return float(_scipy_stats().pearsonr(a, b).statistic)
 
 
+# Fewer seeds a config than this: a verdict is labelled unreliable. With 2 seeds the paired
+# test has 1 degree of freedom, its variance estimate is one squared difference, and the
+# false-positive rate measured by simulation was 7.6-9% at a nominal 5% where seeds carry
+# about half the variance (issue statistics' error rates).
+FEW_SEEDS = 3
 # Differences of at most this many units in the last place of the values compared are
 # round-off, not spread: a metric summed in another order (another reduction, another
 # batch split) moves by a few ulps, and a t-test of such differences gives p = 1e-58.
