@@ -223,11 +223,14 @@ def test_a_run_as_train_py_records_it_passes(traced_runs, tmp_path, capsys, laun
     check_received(["experiment=segmentation", "augment=torchvision"], tmp_path / "o.yaml")
 
 
+@pytest.mark.parametrize("layout", ["inside", "beside", "linked"])
 def test_a_received_directorys_own_conf_and_train_py_are_never_used(
-    tmp_path, monkeypatch, capsys, launches
+    tmp_path, monkeypatch, capsys, launches, layout
 ):
-    """``cd RECEIVED && repro evaluate .`` (or rerun): a conf/ and train.py the sender put in
-    the directory choose nothing; the checkout's compose the config and are launched."""
+    """A conf/ and train.py the sender put in the received directory (``cd RUN && repro
+    rerun .``), beside it in the bundle it came in (``cd BUNDLE && repro rerun run``), or
+    linked into it from elsewhere choose nothing: the checkout's compose the config and
+    are launched."""
     import shutil
     from pathlib import Path
 
@@ -236,12 +239,18 @@ def test_a_received_directorys_own_conf_and_train_py_are_never_used(
 
     args, record = received(tmp_path, "rerun", [])
     run = record.parent.parent
-    shutil.copytree(CONF_DIR, run / "conf")
-    planted = (run / "conf" / "train.yaml").read_text().replace("seed: 0 ", "seed: 4242 ")
-    (run / "conf" / "train.yaml").write_text(planted)
-    (run / "train.py").write_text("raise SystemExit('the sender train.py ran')\n")
-    monkeypatch.chdir(run)
-    assert "seed: 4242" in planted and int(_run_config(Path("."), []).seed) == 0
-    status, _ = repro_here(["rerun", ".", "--out", str(tmp_path / "out")], capsys)
+    planted = {"inside": run, "beside": run.parent, "linked": tmp_path / "elsewhere"}[layout]
+    shutil.copytree(CONF_DIR, planted / "conf")
+    text = (planted / "conf" / "train.yaml").read_text().replace("seed: 0 ", "seed: 4242 ")
+    (planted / "conf" / "train.yaml").write_text(text)
+    (planted / "train.py").write_text("raise SystemExit('the sender train.py ran')\n")
+    if layout == "linked":
+        (run / "conf").symlink_to(planted / "conf", target_is_directory=True)
+        (run / "train.py").symlink_to(planted / "train.py")
+    where = run.parent if layout == "beside" else run
+    target = Path("run") if layout == "beside" else Path(".")
+    monkeypatch.chdir(where)
+    assert "seed: 4242" in text and int(_run_config(target, []).seed) == 0
+    status, _ = repro_here(["rerun", str(target), "--out", str(tmp_path / "out")], capsys)
     assert status != 0 and len(launches) == 1  # the launch recorded, not run
     assert Path(launches[0][1]) == ROOT / "train.py"

@@ -1046,15 +1046,22 @@ def config_hash(cfg: DictConfig) -> str:
 
 def find_conf_dir(received: Path | None = None) -> Path:
     """``./conf`` when it holds ``train.yaml``, else the ``conf/`` next to this checkout's
-    ``src/`` (an editable install). ``received``: a directory a command reads (a received run
-    or sweep): a ``conf/`` inside it is never the one (its YAML would choose the code the
-    command builds and runs; ``cd RECEIVED && repro evaluate .`` composes with the
-    checkout's)."""
+    ``src/`` (an editable install).
+
+    ``received``: a directory a command reads (a received run or sweep), whose sender may
+    have put a ``conf/`` (and a ``train.py``) beside it or in it: then this checkout's own
+    ``conf/`` comes first, wherever the command is run from (``cd BUNDLE && repro evaluate
+    run``, ``cd SWEEP && repro rerun 0``), and a ``conf/`` inside ``received`` -- by its path
+    or by where its links lead -- is never the one. ``./conf`` serves only a package
+    installed without its checkout."""
+    candidates = [Path.cwd() / "conf", CHECKOUT_DIR / "conf"]
+    if received is not None:
+        candidates.reverse()  # the checkout's own first
     skipped = []
-    for candidate in (Path.cwd() / "conf", CHECKOUT_DIR / "conf"):
+    for candidate in candidates:
         if not (candidate / "train.yaml").is_file():
             continue
-        if received is not None and candidate.resolve().is_relative_to(Path(received).resolve()):
+        if received is not None and _inside(candidate, Path(received)):
             skipped.append(candidate)
             continue
         return candidate
@@ -1068,6 +1075,12 @@ def find_conf_dir(received: Path | None = None) -> Path:
         "no conf/train.yaml found in the current directory or next to the repro package; "
         "run from the project root or pass --config-dir."
     )
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """Whether ``path`` lies in ``folder``, by their absolute paths or where links lead."""
+    absolute = Path(os.path.abspath(path)).is_relative_to(os.path.abspath(folder))
+    return absolute or path.resolve().is_relative_to(folder.resolve())
 
 
 def compose(
