@@ -16,13 +16,14 @@ short runs of their own beside it."""
 
 import json
 import logging
+import re
 import shutil
 
 import pytest
 import torch
 
 from conftest import repro_here, run_defaults, train_here
-from repro.base.errors import CheckpointError
+from repro.base.errors import CheckpointError, ConfigError
 from repro.components.data.splitting import split_inputs
 from repro.components.data.synthetic import write_nuclei_folder
 from repro.defense.config import compose
@@ -156,6 +157,7 @@ def test_the_record_holds_the_statistics_the_run_trained_with(sealed):
     [
         ({"format": "repro.scoring.v9"}, "format 'repro.scoring.v9', which this version"),
         ({"mean": [0.5, 0.5]}, "no channel statistics for its 1 channels"),
+        ({"channels": 2, "mean": [0.5, 0.5]}, "2 means and 1 standard deviations"),
         ({"std": [0.0]}, "no channel statistics"),
         ({"class_names": ["a"]}, "names \\['a'\\] for 3 classes"),
         ({"num_classes": "3"}, "num_classes='3'"),
@@ -179,6 +181,8 @@ def test_a_damaged_or_foreign_record_is_one_line_naming_the_file(tmp_path, chang
     path = tmp_path / "checkpoint.pt"
     assert ScoringRecord.from_state({"scoring": record}, path).mean == (0.1,)
     assert ScoringRecord.from_state({}, path) is None  # before the record: the fallback
+    one_for_all = {**record, "channels": 3}  # a dataset's own single mean and std: broadcast
+    assert ScoringRecord.from_state({"scoring": one_for_all}, path).std == (0.2,)
     with pytest.raises(CheckpointError, match=f"^{path}: its scoring record .*{message}"):
         ScoringRecord.from_state({"scoring": {**record, **change}}, path)
 
@@ -213,7 +217,7 @@ def test_an_edited_group_csv_is_named_by_compare_and_refuses_the_resume(sealed, 
     assert recorded["group_csv"]["path"] == str(groups)
 
     groups.write_text(first.replace(f"{stems[0]},g0", f"{stems[0]},g5"))  # one row edited
-    with pytest.raises(CheckpointError, match=f"data.group_csv={groups} changed"):
+    with pytest.raises(CheckpointError, match=re.escape(f"data.group_csv={groups} changed")):
         train_here(tmp_path / "a", *short, "trainer.resume=auto")
     edited = train_here(tmp_path / "b", *short, "trainer.resume=auto")  # from step 0
     groups.write_text(first)  # as the run trained: it resumes
@@ -243,3 +247,36 @@ def test_the_split_inputs_are_digests_of_the_names_and_the_csv_bytes(tmp_path):
     assert split_mismatches(record, None) == split_mismatches(None, record) == []  # unknown
     assert split_mismatches(record, split_inputs(names, group_csv=str(csv))) != []
     assert split_mismatches(edited, split_inputs(names, group_csv=str(csv))) == []
+
+
+def test_evaluate_split_refuses_a_training_folder_whose_classes_changed(tmp_path, caplog):
+    """``--split test`` draws the split from the training folder as it is now: a class
+    folder added since (every label would shift) is refused in one line; a file added is
+    said (the split is another set of files)."""
+    from PIL import Image
+
+    from repro.engine.inference import evaluate_checkpoint
+
+    images = tmp_path / "images"
+    for c, name in enumerate(("cat", "dog")):
+        (images / name).mkdir(parents=True)
+        for i in range(12):
+            Image.new("L", (16, 16), 60 + 120 * c + i).save(images / name / f"{i}.png")
+    args = [f"data.path={images}", "data=image_folder", "data.channels=1", "model.width=8",
+            "data.image_size=16", "data.val_fraction=0.25", "data.test_fraction=0.25",
+            "trainer.batch_size=8", "trainer.micro_batch_size=4", "trainer.max_steps=2",
+            "trainer.eval_every=2"]  # fmt: skip
+    run = train_here(tmp_path / "run", *args)
+    cfg = compose(run_defaults(args))
+    cpu = torch.device("cpu")
+    first = evaluate_checkpoint(cfg, run.dir / "checkpoint.pt", cpu, "test", force=True)
+    Image.new("L", (16, 16), 30).save(images / "dog" / "99.png")  # a file more
+    with caplog.at_level(logging.WARNING, logger="repro"):
+        evaluate_checkpoint(cfg, run.dir / "checkpoint.pt", cpu, "test", force=True)
+    assert "the files under data.path, 24 (checkpoint) vs 25 (now)" in caplog.text
+    (images / "ant").mkdir()  # a class more, sorted first: every label would move by one
+    for i in range(4):
+        Image.new("L", (16, 16), 10 + i).save(images / "ant" / f"{i}.png")
+    with pytest.raises(ConfigError, match="the training data now has 3 classes"):
+        evaluate_checkpoint(cfg, run.dir / "checkpoint.pt", cpu, "test", force=True)
+    assert first["samples"] > 0

@@ -360,7 +360,12 @@ def test_a_file_name_that_is_not_utf8_is_one_line_naming_it(tmp_path, layout):
         bad = [os.fsencode(root / "bee" / "1.png")]
         build = lambda: image_folder(str(root))  # noqa: E731
     for name in bad:
-        os.rename(name, name.replace(b"/1.png", b"/\xe91.png").replace(b"/c.png", b"/\xe9c.png"))
+        try:
+            os.rename(
+                name, name.replace(b"/1.png", b"/\xe91.png").replace(b"/c.png", b"/\xe9c.png")
+            )
+        except OSError:  # APFS, NTFS: names must be text there, and the case cannot arise
+            pytest.skip("this file system refuses file names that are not UTF-8")
     renamed = bad[0].replace(b"/1.png", b"/\xe91.png").replace(b"/c.png", b"/\xe9c.png")
     message = f"data.path={str(root)!r}: the file name {renamed!r} is not UTF-8 text; rename it"
     with pytest.raises(DataError, match=f"^{re.escape(message)}"):

@@ -255,6 +255,8 @@ def scoring_data(
     that folder."""
     record = ScoringRecord.from_state(state, checkpoint)
     if record is not None:
+        if data is not None:  # a split drawn from the training data as it is now
+            _drawn_from_the_same_data(record, data, state, checkpoint)
         pipeline = data.eval_pipeline if data is not None else keyed_pipeline(cfg, "eval")
         return ScoredData.from_record(record, pipeline)
     where = f" at data.path={cfg.data.path}" if "path" in cfg.data else ""
@@ -268,6 +270,32 @@ def scoring_data(
         check_data_path(cfg)
         data = build_data(cfg)
     return ScoredData.of(data, cfg)
+
+
+def _drawn_from_the_same_data(
+    record: ScoringRecord, data: DataSplits, state: dict[str, Any], checkpoint: Path
+) -> None:
+    """``repro evaluate --split``: the split comes from the training data as it is now. Other
+    classes or channels than the checkpoint's (a class folder added, say: every label would
+    shift) are refused in one line; other split inputs (files added, removed or renamed, an
+    edited group or split CSV) are said: the split is another set of files than the run's."""
+    from repro.records.fingerprint import SPLIT_KEY, split_mismatches
+
+    now = (data.num_classes, data.in_channels, tuple(data.class_names or ()) or None)
+    then = (record.num_classes, record.channels, record.class_names)
+    if now != then:
+        raise ConfigError(
+            f"{checkpoint}: the training data now has {now[0]} classes {list(now[2] or [])} "
+            f"and {now[1]} channels, the checkpoint's {then[0]} classes "
+            f"{list(then[2] or [])} and {then[1]} channels: its labels would not be the "
+            "model's. Evaluate an annotated folder of the run's classes instead (--folder)."
+        )
+    recorded = (state.get("environment") or {}).get(SPLIT_KEY)
+    for difference in split_mismatches(recorded, getattr(data, "split_inputs", None)):
+        log.warning(
+            f"evaluate --split: {difference}; the split is drawn from the data as it is now, "
+            "another set of files than the run's"
+        )
 
 
 def restored(

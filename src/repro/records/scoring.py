@@ -18,8 +18,9 @@ One versioned mapping (:data:`SCORING_FORMAT`), plain values only (it loads with
     channels       input channels the model takes
     class_names    class i's name, or null (unnamed: their index)
     image_size     data.image_size (the training patch's side), or null
-    mean, std      per channel: inputs are (x - mean) / std after the intensity rule
-                   (8-bit files under data.intensity auto divided by 255 first)
+    mean, std      per channel (or one for all channels, where the dataset gives one):
+                   inputs are (x - mean) / std after the intensity rule (8-bit files
+                   under data.intensity auto divided by 255 first)
     intensity      data.intensity's rule ({mode, and the settings it uses}), or null
                    (not a folder: auto)
     mask_map       data.mask_map (file mask value -> class), or null
@@ -129,6 +130,8 @@ class ScoringRecord:
         mean, std = record.get("mean"), record.get("std")
         if not (_floats(mean, channels) and _floats(std, channels) and min(std) > 0):
             raise bad(f"has no channel statistics for its {channels} channels")
+        if len(mean) != len(std):
+            raise bad(f"has {len(mean)} means and {len(std)} standard deviations")
         names = record.get("class_names")
         if names is not None and not (
             isinstance(names, list)
@@ -170,8 +173,10 @@ def _positive_int(value: Any) -> bool:
 
 
 def _floats(values: Any, count: int) -> bool:
+    """One finite float a channel, or one for all (a dataset's own statistics may be one
+    number: the normaliser broadcasts it)."""
     return (
         isinstance(values, list)
-        and len(values) == count
+        and len(values) in (1, count)
         and all(isinstance(v, float) and math.isfinite(v) for v in values)
     )
