@@ -79,6 +79,10 @@ def main(cfg: DictConfig) -> float:
             timed_out = explain_timeout(err, launched_world(), int(cfg.dist.timeout_s))
             if not isinstance(err, ReproError) and timed_out is None:
                 traceback.print_exc()
+            if not taken:  # this rank's folders for the run go again, if left empty
+                from repro.engine.callbacks import remove_unused_output_dir
+
+                remove_unused_output_dir()
             report_error(timed_out or err)
             logging.shutdown()
             sys.stdout.flush()

@@ -118,3 +118,9 @@ def test_rerun_passes_its_directory_to_hydra_exactly(tmp_path, monkeypatch):
     assert main(["rerun", str(job), "--out", str(out)]) == 0
     last = OverridesParser.create().parse_override(seen[0][-1])
     assert last.key_or_group == "hydra.run.dir" and last.value() == str(out)
+    # a received job whose rerun/ leads elsewhere: its default --out is refused, not followed
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (job / "rerun").symlink_to(elsewhere, target_is_directory=True)
+    assert main(["rerun", str(job)]) == 2 and len(seen) == 1
+    assert list(elsewhere.iterdir()) == []

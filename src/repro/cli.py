@@ -130,6 +130,11 @@ def cmd_rerun(args: argparse.Namespace) -> int:
         overrides, job / OVERRIDES_FILE, trust=args.trust, loaders=args.trust_loader, conf_dir=conf
     )
     stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    if not args.out and (job / "rerun").is_symlink():  # a received job's: leads elsewhere
+        raise ReproError(
+            f"{job / 'rerun'} is a symbolic link; a re-run is never written through one: "
+            "give --out, or remove the link."
+        )
     out = Path(args.out) if args.out else job / "rerun" / stamp
     if out.exists() and any(out.iterdir()):
         raise ReproError(f"{out}: exists and is not empty; give another --out.")

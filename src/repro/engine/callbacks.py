@@ -68,11 +68,14 @@ def check_sweep_data(jobs: list[tuple[list[str], DictConfig]]) -> None:
         target = str(node.get("_target_", "")) if isinstance(node, DictConfig) else ""
         if not target.endswith((".image_folder", ".image_mask_folder")):
             continue
-        key = OmegaConf.to_yaml(node, resolve=True)
+        try:
+            key = OmegaConf.to_yaml(node, resolve=True)
+            listed = OmegaConf.to_container(node, resolve=True)
+        except Exception:  # an interpolation it cannot resolve: the job says so itself
+            continue
         if key in seen:
             continue
         seen.add(key)
-        listed = OmegaConf.to_container(node, resolve=True)
         if "in_memory" in listed:
             listed["in_memory"] = False  # list, do not read
         try:
