@@ -332,6 +332,12 @@ def test_jobs_of_a_killed_sweep_that_never_started_are_listed(sequential, tmp_pa
     assert {j["seed"] for j in missing} == {0, 1, 2}
     assert [len(g["jobs"]) for g in report["groups"]] == [3, 3]  # each lr's three seeds
     assert repro("report", str(copy)).returncode == 1
+    # killed (SIGTERM, say) before its first checkpoint: started, not "never started"
+    shutil.rmtree(next(copy.glob("1_*")) / "checkpoints")
+    report, text, _ = write_report(copy)
+    (early,) = [j for g in report["groups"] for j in g["jobs"] if j["status"] == "incomplete"]
+    assert early["error"].startswith("started (its launch is recorded), no checkpoint yet")
+    assert "never started" not in early["error"] and report["not_started"] == 4
 
 
 def values(report, group, metric="val_accuracy"):

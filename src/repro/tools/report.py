@@ -200,7 +200,8 @@ def _job_status(job_dir: Path) -> tuple[str, dict[str, Any], str]:
     detail = (
         f"stopped after its step-{ckpts[0][0]} checkpoint: resume with trainer.resume=auto"
         if ckpts
-        else "no summary: killed, still running, or never started"
+        else "started (its launch is recorded), no checkpoint yet: stopped before its first "
+        "(killed, interrupted) or still running"
     )
     return "incomplete", {}, detail
 
