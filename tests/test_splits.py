@@ -285,7 +285,7 @@ def _value(lr, seed, fold):
     return 0.5 + 0.1 * fold + 0.01 * seed + (0.02 + 0.003 * fold * (seed + 1) if lr == 0.1 else 0)
 
 
-def test_report_pools_folds_and_seeds_and_pairs_by_seed_and_fold(tmp_path):
+def test_report_pools_folds_and_seeds_and_pairs_by_seed_and_fold(tmp_path, monkeypatch):
     from repro.tools.report import build_report, format_markdown
 
     sweep, num = tmp_path / "sweep", 0
@@ -327,6 +327,21 @@ def test_report_pools_folds_and_seeds_and_pairs_by_seed_and_fold(tmp_path):
     )
     text = format_markdown(report, {})
     assert "| job | seed | fold | status | val_accuracy |" in text
+    # the figures say that folds vary too (not "each seed")
+    import repro.tools.comparisons as comparisons
+    import repro.tools.report as reporting
+
+    titles = []
+
+    def keep(fig, path):
+        titles.extend(t.get_text() for t in fig.findobj(lambda a: hasattr(a, "get_text")))
+
+    monkeypatch.setattr(reporting, "save_figure", keep)
+    monkeypatch.setattr(comparisons, "save_figure", keep)
+    require("matplotlib")
+    reporting.plot(report, tmp_path)
+    assert "each (seed, fold) pair (lines join one across groups)" in titles, titles
+    assert not any(t.startswith("each seed") for t in titles)
     assert "| 4_seed=1 | 1 | 1 | ok | 0.6100 |" in text
     assert "- 6_seed=0 (seed 0, fold 0): failed: RuntimeError: boom" in text
     assert "left out: seed 0 fold 0 of the group (failed)" in text

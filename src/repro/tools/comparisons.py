@@ -918,7 +918,13 @@ def plot_comparison(report: dict[str, Any], out_dir: Path) -> str | None:
         [(g["title"] or g["label"]).replace(" ", "\n") for g in groups], fontsize=7
     )
     left.set_ylabel(metric)
-    left.set_title("each seed (lines join a seed across groups)", fontsize=9)
+    by_fold = any(c.get("by_fold") for c in shown)
+    left.set_title(
+        "each (seed, fold) pair (lines join one across groups)"
+        if by_fold
+        else "each seed (lines join a seed across groups)",
+        fontsize=9,
+    )
     left.grid(alpha=0.3, axis="y")
     if left.get_legend_handles_labels()[1]:
         left.legend(fontsize=7)
@@ -948,7 +954,10 @@ def plot_comparison(report: dict[str, Any], out_dir: Path) -> str | None:
         [c["group"].replace(" ", "\n") + "\n− baseline" for c in shown], fontsize=7
     )
     right.set_ylabel(f"{metric}, group − baseline")
-    right.set_title("paired differences per seed; 0 and ±δ marked", fontsize=9)
+    right.set_title(
+        f"paired differences per {'(seed, fold) pair' if by_fold else 'seed'}; 0 and ±δ marked",
+        fontsize=9,
+    )
     right.grid(alpha=0.3, axis="y")
     if right.get_legend_handles_labels()[1]:
         right.legend(fontsize=7)

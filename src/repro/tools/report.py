@@ -712,7 +712,9 @@ def plot(report: dict[str, Any], out_dir: Path) -> tuple[dict[int, str], str | N
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
         axes[1].legend(fontsize=7, loc="lower right")
-        fig.suptitle(g["title"] or "all jobs (only the seed varies)", fontsize=9)
+        folds = any(j.get("fold") is not None for j in g["jobs"])
+        varies = "the seed and the fold vary" if folds else "only the seed varies"
+        fig.suptitle(g["title"] or f"all jobs ({varies})", fontsize=9)
         fig.tight_layout()
         name = "report.png" if len(report["groups"]) == 1 else f"report-{i}.png"
         save_figure(fig, out_dir / name)
