@@ -150,6 +150,10 @@ def test_the_record_holds_the_statistics_the_run_trained_with(sealed):
     assert record.inference["mode"] == "native" and record.inference["tile_batch"] == 2
     assert record.eval_pipeline is None or "_target_" in record.eval_pipeline
     assert state["scoring"]["format"] == SCORING_FORMAT
+    # the task's declarations, for repro report: bounded metrics and counts
+    assert run.summary["metric_bounds"]["val_dice"] == [0.0, 1.0]
+    assert "val_loss" not in run.summary["metric_bounds"]
+    assert "val_empty_nucleus" in run.summary["count_metrics"]
 
 
 @pytest.mark.parametrize(

@@ -163,6 +163,29 @@ def test_a_verdict_on_two_seeds_is_labelled_unreliable_with_the_seeds_needed(tmp
     assert "few_seeds" not in enough["decision"] and "UNRELIABLE" not in enough["verdict"]
 
 
+def test_a_bounded_metrics_interval_stays_inside_its_bounds_and_a_count_gets_none(tmp_path):
+    """Dice near 1 over 3 seeds: the t interval of the mean would reach above 1; the task
+    declares [0, 1] (summary.json's metric_bounds) and the report keeps it there. A count
+    (val_empty_*) gets its distribution, no interval of a mean."""
+    out = tmp_path / "sweep"
+    for seed, dice in enumerate([0.999, 0.9995, 0.97]):
+        job(out, seed, 0.1, seed, [dice] * 4)
+        path = out / f"{seed}_seed={seed}" / "summary.json"
+        summary = json.loads(path.read_text())
+        summary.update(val_empty_fg=seed, count_metrics=["val_empty_fg"])
+        summary["metric_bounds"] = {"val_dice": [0.0, 1.0]}
+        summary["metric_names"].append("val_empty_fg")
+        path.write_text(json.dumps(summary))
+    report = build_report(out)
+    (group,) = report["groups"]
+    dice, empty = group["metrics"]["val_dice"], group["metrics"]["val_empty_fg"]
+    unclipped = stats.mean_interval([0.999, 0.9995, 0.97])["ci95"]
+    assert unclipped[1] > 1 and dice["ci95"] == [unclipped[0], 1.0] and dice["bounds"] == [0, 1]
+    assert empty["count"] and "ci95" not in empty and empty["max"] == 2
+    text = format_markdown(report, {})
+    assert "kept inside [0, 1]" in text and "- **val_empty_fg**: a count;" in text
+
+
 def test_a_collapsed_seed_is_named_and_the_medians_lead(tmp_path):
     """Seed 1 trained to all-background (Dice 0 on every image) in both configs, about 1.5 SD
     from the mean of 5: named as collapsed, not by an outlier rule; the verdict rests on

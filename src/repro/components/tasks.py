@@ -62,6 +62,17 @@ class Task:
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def bounds(self, metric: str) -> tuple[float, float] | None:
+        """The range a metric's values lie in (``(0, 1)`` for an accuracy or a Dice), which
+        ``repro report`` keeps its intervals inside; None: unbounded (a loss). Recorded in
+        ``summary.json`` (``metric_bounds``) for every metric the run logs."""
+        return None
+
+    def is_count(self, metric: str) -> bool:
+        """Whether a metric counts things (images without a class): ``repro report`` gives
+        it a distribution, no interval of a mean. Recorded as ``count_metrics``."""
+        return False
+
     def statistics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
@@ -91,6 +102,9 @@ class Classification(Task):
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         _check_shapes("classification", outputs, targets, 2, 1)
         return F.cross_entropy(outputs.float(), targets, reduction="sum")
+
+    def bounds(self, metric: str) -> tuple[float, float] | None:
+        return (0.0, 1.0) if "accuracy" in metric else None
 
     def statistics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         return {
@@ -227,6 +241,15 @@ class Segmentation(Task):
     def scored(self, targets: torch.Tensor) -> torch.Tensor:
         """The pixels that count: a class, and not ``ignore_index``."""
         return (targets >= 0) & (targets < self.num_classes) & (targets != self.ignore_index)
+
+    def bounds(self, metric: str) -> tuple[float, float] | None:
+        """Dice, IoU and the pixel accuracy lie in [0, 1]; the loss does not."""
+        kinds = ("val_dice", "val_iou", "val_pixel_accuracy")
+        return (0.0, 1.0) if metric.startswith(kinds) else None
+
+    def is_count(self, metric: str) -> bool:
+        """``val_empty_<class>``: the images with none of a class, reference and prediction."""
+        return metric.startswith("val_empty_")
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         _check_shapes("segmentation", outputs, targets, 4, 3)

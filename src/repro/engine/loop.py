@@ -528,6 +528,19 @@ def run_test(run: Run, data: DataSplits) -> dict[str, Any]:
     return result
 
 
+def metric_kinds(task: Any, names: list[str]) -> dict[str, Any]:
+    """summary.json's ``metric_bounds`` (the range of each bounded metric: ``repro report``
+    keeps its intervals inside it) and ``count_metrics`` (counts: no interval of a mean), as
+    the task declares them (:meth:`repro.components.tasks.Task.bounds`, ``is_count``; a task
+    that does not declare: none)."""
+    bounds = getattr(task, "bounds", lambda name: None)
+    count = getattr(task, "is_count", lambda name: False)
+    return {
+        "metric_bounds": {m: [float(v) for v in b] for m in names if (b := bounds(m))},
+        "count_metrics": [m for m in names if count(m)],
+    }
+
+
 def ema_summary(training: Training) -> dict[str, Any] | None:
     """``trainer.ema`` in summary.json: its settings and the final averages' digest."""
     ema = training.ema
@@ -630,6 +643,7 @@ def finish(
         "headline": headline,
         "higher_is_better": training.task.higher_is_better,
         "metric_names": list(logs.last_metrics),
+        **metric_kinds(training.task, list(logs.last_metrics)),
         "class_names": list(data.class_names) if data.class_names else None,
         "seed": training.seed,
         "device": str(run.device),

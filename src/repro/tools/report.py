@@ -425,6 +425,16 @@ def _metric_stats(ok: list[Job], m: str, headline: bool) -> dict[str, Any]:
     shape, outliers, values left out and (the headline) the collapsed seeds."""
     values = [float(j.summary[m]) for j in ok if _finite(j.summary.get(m))]
     stats = mean_interval(values)
+    first = ok[0].summary if ok else {}
+    if m in (first.get("count_metrics") or []):  # a count: its distribution, no interval
+        for key in ("ci95", "t", "df"):
+            stats.pop(key, None)
+        stats["count"] = True
+    bounds = (first.get("metric_bounds") or {}).get(m)
+    if bounds and "ci95" in stats:  # a Dice's interval ends at 1, as the Dice does
+        lo, hi = bounds
+        stats["ci95"] = [max(stats["ci95"][0], lo), min(stats["ci95"][1], hi)]
+        stats["bounds"] = bounds
     stats["shape"] = shape(values)  # bimodal or heavy-tailed: the median leads
     stats["outliers"] = outliers(ok, m, stats)
     stats["left_out"] = _left_out(ok, m)
@@ -558,11 +568,17 @@ def _metric_lines(m: str, s: dict[str, Any]) -> list[str]:
         lines.append(f"- **{m}**: no finished job has a finite value.")
     elif s["n"] == 1:
         lines.append(f"- **{m}**: {s['mean']:.4f} (n=1: no spread; run more seeds)")
+    elif s.get("count"):  # a count: its distribution only
+        lines.append(
+            f"- **{m}**: a count; mean {s['mean']:.4f}, SD {s['sd']:.4f}, min {s['min']:g}, "
+            f"max {s['max']:g} (n={s['n']}; no interval: not an estimate)"
+        )
     else:
+        kept = f"; kept inside [{s['bounds'][0]:g}, {s['bounds'][1]:g}]" if s.get("bounds") else ""
         lines.append(
             f"- **{m}**: mean {s['mean']:.4f}, SD {s['sd']:.4f}, min {s['min']:.4f}, "
             f"max {s['max']:.4f}; 95% CI of the mean [{s['ci95'][0]:.4f}, "
-            f"{s['ci95'][1]:.4f}] (Student t, n={s['n']}, df={s['df']}, t={s['t']:.3f})"
+            f"{s['ci95'][1]:.4f}] (Student t, n={s['n']}, df={s['df']}, t={s['t']:.3f}){kept}"
         )
     for x in s.get("collapsed") or []:
         lines.append(f"  - **collapsed**: {_seed_fold(x)} ({x['job']}): {x['why']}")
