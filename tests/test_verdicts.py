@@ -256,6 +256,11 @@ def test_several_groups_are_holm_corrected(tmp_path):
         cs["optim.lr=0.1"]["outcome"] == "better" and cs["optim.lr=0.2"]["outcome"] == "can't tell"
     )
     assert "Holm-corrected over 3 comparisons" in cs["optim.lr=0.2"]["verdict"]
+    # another metric asked for (--metric val_loss): its three tests join the family
+    both = build_report(tmp_path / "sweep", metrics=["val_loss"])["comparisons"]
+    assert len(both) == 6 and {c["decision"]["holm"]["comparisons"] for c in both} == {6}
+    every = [c["decision"]["p_value"] for c in both]
+    assert stats.holm(every) == [c["decision"]["holm"]["p_value"] for c in both]
 
 
 def test_holm_and_tost_against_hand_computations():

@@ -111,8 +111,10 @@ def compare_groups(
             first = m == headline  # δ and the per-sample scores are the headline's
             judge(c, members[b], members[i], delta if first else None, samples=first)
             out["comparisons"].append(c)
-    family = [c for c in out["comparisons"] if c["metric"] == headline and c.get("decision")]
-    if len(family) > 1:  # several groups against one baseline on the headline
+    # every test the report makes is one family: each group against the baseline, on the
+    # headline and on every metric asked for (--metric), Holm-corrected together
+    family = [c for c in out["comparisons"] if c.get("decision")]
+    if len(family) > 1:
         adjusted = stats.holm([_p(c["decision"]) for c in family])
         equivalence = stats.holm([(c["decision"].get("tost") or {}).get("p_value") for c in family])
         for c, p, q in zip(family, adjusted, equivalence, strict=True):
