@@ -207,6 +207,31 @@ def test_a_collapsed_seed_is_named_and_the_medians_lead(tmp_path):
     assert "**collapsed**: seed 1 (1_seed=1)" in text and "interquartile mean" in text
 
 
+def test_a_class_a_job_never_predicts_is_named(tmp_path):
+    """A segmentation job that never predicts 'boundary' (its tp and fp 0 on every image, its
+    fn not): the report names the class beside the job, which is not otherwise collapsed."""
+    from repro.records.sample_records import SampleScores, never_predicted
+
+    out = sweep(tmp_path, {"0.05": lambda s: [0.8, 0.6, 0.7]}, range(3))
+    rows = ["step,sample,tp_nucleus,fp_nucleus,fn_nucleus,tp_boundary,fp_boundary,"
+            "fn_boundary,headline_nucleus,headline_boundary"]  # fmt: skip
+    rows += ["6,a,9,1,0,0,0,4,0.9,0.0", "6,b,8,0,2,0,0,3,0.8,0.0", "6,c,5,0,0,0,0,0,1.0,nan"]
+    job_dir = out / "1_seed=1"
+    (job_dir / "val_per_image.csv").write_text("\n".join(rows) + "\n")
+    summary = json.loads((job_dir / "summary.json").read_text())
+    summary["val_dice"] = (0.9 + 0.8 + 1.0) / 3 / 2  # the mean over the two classes
+    (job_dir / "summary.json").write_text(json.dumps(summary))
+    report = build_report(out)
+    (listed,) = report["groups"][0]["metrics"]["val_dice"]["never_predicted"]
+    assert (listed["seed"], listed["classes"]) == (1, ["boundary"])
+    assert "**a class collapsed**: seed 1 (1_seed=1) never predicts boundary" in format_markdown(
+        report, {}
+    )
+    table = {"prediction": ["0", "0", "2"], "target": ["0", "1", "2"]}  # class 1: never
+    assert never_predicted(SampleScores(["a", "b", "c"], ["headline"], [[1.0]] * 3, table)) == ["1"]
+    assert never_predicted("no val_per_image.csv") == []
+
+
 def test_a_diverged_seed_is_collapsed(tmp_path):
     _, c = comparison(
         tmp_path, design(0.003, 0.003, 0.03), seeds=range(5), final_losses={("0.1", 2): None}

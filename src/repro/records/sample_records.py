@@ -18,6 +18,12 @@ near for an outlier rule):
   segmentation that predicts none of the scored classes);
 - at chance: a balanced accuracy (each class's share of right answers, averaged over the
   classes) no better than guessing, 1/K -- so a good model on imbalanced data is not one.
+
+A run can also collapse in one class: a class present in the evaluated samples that it
+never predicts (:func:`never_predicted`; a segmentation's ``tp_<class>`` and ``fp_<class>``
+all 0 while ``fn_<class>`` is not, a classifier's ``prediction`` column without it). Its
+mean over classes is dragged down by that class alone; the report names the class beside
+the job.
 """
 
 from __future__ import annotations
@@ -133,3 +139,27 @@ def collapse(summary: dict[str, Any], scores: SampleScores | str | None) -> str 
                 f"the {len(classes)} classes)"
             )
     return None
+
+
+def never_predicted(scores: SampleScores | str | None) -> list[str]:
+    """The classes present in a job's evaluated samples that it never predicts (see the
+    module docstring), from its per-sample record; empty without one."""
+    if not isinstance(scores, SampleScores):
+        return []
+    table = scores.table
+    predictions, targets = table.get("prediction"), table.get("target")
+    if predictions and targets:
+        return sorted(set(targets) - set(predictions), key=lambda c: (len(c), c))
+    out = []
+    for column in table:
+        if not column.startswith("fn_"):
+            continue
+        name = column[3:]
+        try:
+            missed = sum(int(v) for v in table[column])
+            predicted = sum(int(v) for k in ("tp", "fp") for v in table.get(f"{k}_{name}", []))
+        except ValueError:
+            continue
+        if missed > 0 and predicted == 0 and f"tp_{name}" in table:
+            out.append(name)
+    return out

@@ -50,7 +50,7 @@ from repro.base.files import (
     write_file,
 )
 from repro.defense.config import RUN_CONTROL
-from repro.records.sample_records import collapse, read_scores
+from repro.records.sample_records import collapse, never_predicted, read_scores
 from repro.tools.comparisons import compare_groups, format_comparisons, plot_comparison
 from repro.tools.stats import mean_interval, shape
 
@@ -82,6 +82,7 @@ class Job:
     # a finished job's per-sample headline scores, or why it has none (repro.records.sample_records)
     scores: Any = None
     collapsed: str | None = None  # why a finished job counts as collapsed, if it does
+    never_predicted: list[str] = field(default_factory=list)  # classes it never predicts
 
     @property
     def metrics(self) -> list[str]:
@@ -444,6 +445,11 @@ def _metric_stats(ok: list[Job], m: str, headline: bool) -> dict[str, Any]:
             for j in ok
             if j.collapsed
         ]
+        stats["never_predicted"] = [
+            {"seed": j.seed, "fold": j.fold, "job": j.dir.name, "classes": j.never_predicted}
+            for j in ok
+            if j.never_predicted and not j.collapsed
+        ]
     return stats
 
 
@@ -454,6 +460,7 @@ def _read_samples(jobs: list[Job]) -> None:
         if j.status == "ok":
             j.scores = read_scores(j.dir, j.summary)
             j.collapsed = collapse(j.summary, j.scores)
+            j.never_predicted = never_predicted(j.scores)
 
 
 def build_report(
@@ -506,6 +513,7 @@ def build_report(
                         "rerun": j.rerun_command(),
                         "launch_record": j.launch_record,
                         "collapsed": j.collapsed,
+                        "never_predicted": j.never_predicted,
                         "per_sample": (
                             None
                             if j.scores is None or isinstance(j.scores, str)
@@ -582,6 +590,11 @@ def _metric_lines(m: str, s: dict[str, Any]) -> list[str]:
         )
     for x in s.get("collapsed") or []:
         lines.append(f"  - **collapsed**: {_seed_fold(x)} ({x['job']}): {x['why']}")
+    for x in s.get("never_predicted") or []:
+        lines.append(
+            f"  - **a class collapsed**: {_seed_fold(x)} ({x['job']}) never predicts "
+            f"{', '.join(x['classes'])}, present in its evaluated samples"
+        )
     why = "collapsed seeds" if s.get("collapsed") else s.get("shape")
     if s.get("n", 0) >= 2 and why:
         lines.append(
