@@ -316,6 +316,17 @@ def test_report_pools_folds_and_seeds_and_pairs_by_seed_and_fold(tmp_path, monke
     assert c["paired"] and c["by_fold"] and c["seeds"] == pairs and c["n"] == 5
     diffs = [_value(0.1, s, f) - _value(0.05, s, f) for s, f in pairs]
     assert c["mean_diff"] == statistics.fmean(diffs) and c["sd_diff"] == statistics.stdev(diffs)
+    # the verdict's interval: the corrected resampled t-test (Nadeau and Bengio), by hand
+    import scipy.stats as sps
+
+    d = c["decision"]
+    assert d["folds_corrected"] == {"folds": 3, "factor": 1 + 5 / 2}
+    se = (statistics.variance(diffs) * (1 / 5 + 1 / (3 - 1))) ** 0.5
+    t = statistics.fmean(diffs) / se
+    assert d["se"] == pytest.approx(se, rel=1e-12) and d["df"] == 4
+    assert d["p_value"] == pytest.approx(2 * sps.t.sf(abs(t), 4), rel=1e-9)
+    assert (d["ci95"][1] - d["ci95"][0]) > 1.8 * (c["ci95"][1] - c["ci95"][0])  # sqrt(3.5)
+    assert "widened for the 3 folds' shared training files" in c["verdict"]
     assert c["config_differs"] == ["optim.lr: 0.05 -> 0.1"]  # not data.fold
     assert {(x["side"], x["seed"], x["fold"], x["why"]) for x in c["left_out"]} == {
         ("group", 0, 0, "failed"),

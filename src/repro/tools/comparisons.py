@@ -192,6 +192,7 @@ def judge(
             decision["by"] = "seeds and samples"
     source = c["two_level"] if decision["by"] == "seeds and samples" else c
     decision.update({k: source.get(k) for k in ("mean_diff", "ci95", "p_value", "se", "df")})
+    _correct_for_folds(c, decision, seeds)
     se, df = decision["se"], decision["df"]
     if se:
         decision["resolvable"] = stats.resolvable(se, df)
@@ -235,6 +236,27 @@ def judge(
                 "p_value": stats.signs(a, b)["p_value"],  # the sign test: what Holm adjusts
             }
     c["decision"] = decision
+
+
+def _correct_for_folds(c: dict[str, Any], decision: dict[str, Any], seeds: list[Any]) -> None:
+    """Cross-validated jobs paired by (seed, fold): the folds share training files, so the
+    pairs are not independent and the deciding interval is widened by the corrected
+    resampled t-test (:func:`repro.tools.stats.fold_corrected`); ``folds_corrected`` records
+    the fold count and the factor the seeds' part grew by."""
+    folds = len({k[1] for k in seeds if isinstance(k, tuple)})
+    if not c.get("by_fold") or folds < 2 or not decision.get("se"):
+        return
+    level = c.get("two_level") if decision["by"] == "seeds and samples" else None
+    if level:
+        samples = level["samples"]
+        got = stats.fold_corrected(
+            decision["mean_diff"], level["seed_var"], len(seeds), folds,
+            level["sample_var"], sum(samples) - len(samples),
+        )  # fmt: skip
+    else:
+        got = stats.fold_corrected(decision["mean_diff"], decision["se"] ** 2, len(seeds), folds)
+    decision.update({k: got[k] for k in ("ci95", "p_value", "se", "df")})
+    decision["folds_corrected"] = {"folds": folds, "factor": got["factor"]}
 
 
 def _two_level(seeds: list[Any], ok: dict[str, dict[Any, Any]], kind: type) -> dict | str:
@@ -553,7 +575,13 @@ def verdict(c: dict[str, Any]) -> str:
         if c["paired"]
         else f"unpaired (Welch), {c['n_baseline']} and {c['n_group']} {seeds}"
     )
-    if c.get("by_fold"):
+    folded = (c.get("decision") or {}).get("folds_corrected")
+    if folded:
+        how += (
+            f"; widened for the {folded['folds']} folds' shared training files (corrected "
+            f"resampled t-test, Nadeau and Bengio 2003: the seeds' part x {folded['factor']:.3g})"
+        )
+    elif c.get("by_fold"):
         how += "; folds share training files, so the interval is too narrow"
     prefix = "across environments: " if c.get("environment_differs") else ""
     if "mean_diff" not in c:

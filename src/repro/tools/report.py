@@ -661,8 +661,10 @@ def format_markdown(report: dict[str, Any], figures: dict[int, str]) -> str:
         if folds:
             lines += [
                 "Note: folds share their training files, so jobs of one seed are not "
-                "independent: the intervals below, which treat them so, are too narrow "
-                "(a corrected resampled t-test, Nadeau and Bengio 2003, would widen them).",
+                "independent: the intervals of this group's statistics below, which treat "
+                "them so, are too narrow (a description, not an estimate); the comparisons' "
+                "verdicts are widened for it (the corrected resampled t-test, Nadeau and "
+                "Bengio 2003).",
                 "",
             ]
         for m, s in g["metrics"].items():

@@ -112,6 +112,31 @@ def _test(mean_diff: float, se: float, df: float) -> dict[str, Any]:
     }
 
 
+def fold_corrected(
+    mean_diff: float,
+    seed_var: float,
+    pairs: int,
+    folds: int,
+    sample_var: float = 0.0,
+    sample_dfs: float = 0.0,
+) -> dict[str, Any]:
+    """The test of a mean difference over ``pairs`` (seed, fold) pairs of a ``folds``-fold
+    cross-validation, the seeds' part of its variance (``seed_var``: the pairs' differences'
+    variance over ``pairs``) widened for the training files the folds share: the corrected
+    resampled t-test (Nadeau and Bengio 2003; for repeated k-fold, Bouckaert and Frank 2004),
+    whose variance is ``(1/n + n_test/n_train) s^2`` with ``n_test/n_train = 1/(k - 1)``,
+    i.e. ``seed_var * (1 + pairs/(k - 1))``; plus ``sample_var`` (the evaluation samples'
+    part, with ``sample_dfs`` degrees of freedom), Satterthwaite's degrees of freedom."""
+    factor = 1.0 + pairs / (folds - 1)
+    widened = seed_var * factor
+    df = (
+        _satterthwaite([widened, sample_var], [pairs - 1, sample_dfs])
+        if sample_var > 0
+        else max(1.0, float(pairs - 1))
+    )
+    return {**_test(mean_diff, math.sqrt(widened + sample_var), df), "factor": factor}
+
+
 def correlation(a: list[float], b: list[float]) -> float | None:
     """Pearson's r of the pairs; None where either side has no spread."""
     if len(a) < 2 or statistics.pstdev(a) == 0 or statistics.pstdev(b) == 0:
