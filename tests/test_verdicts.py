@@ -377,6 +377,9 @@ def test_confirm_confirms_only_a_best_that_beats_every_trial_by_more_than_delta(
     assert text.startswith("**Not confirmed**: `trial-1` is equivalent to `trial-4`")
     assert confirmation(report("worse", delta=None))["confirmed"]  # no δ: better at all
     assert confirmation(report("better", delta=None))["better"] == ["trial-2"]
+    few = report("worse by more than δ")  # but from 2 seeds a trial: labelled unreliable
+    few["comparisons"][0]["decision"] = {"few_seeds": {"seeds": 2}}
+    assert confirmation(few)["can't tell"] == ["trial-2"] and not confirmation(few)["confirmed"]
 
 
 def test_a_presets_smallest_effect_is_read_and_is_not_in_the_config_hash(tmp_path):
