@@ -836,8 +836,8 @@ def format_comparisons(report: dict[str, Any]) -> list[str]:
         f"## Compared with `{report['baseline'] or 'the first group'}`, {by}",
         "",
         "Difference = group − baseline. The interval that decides (95%): over seeds *and* "
-        "evaluation samples where every paired job has its per-sample scores (a paired "
-        "two-level bootstrap), else over seeds (a paired t-test; Welch's unpaired). "
+        "evaluation samples where every paired job has its per-sample scores (the paired "
+        "two-level interval), else over seeds (a paired t-test; Welch's unpaired). "
         "Seeds only: the paired t interval, for contrast. r: the pairs' correlation (what "
         "pairing gains)." + smallest + " docs/tools.md#is-b-better-than-a says how to read it.",
         "",

@@ -3,11 +3,12 @@
 SciPy gives the distributions and the tests (Student's t, the paired and Welch t-tests, the
 sign test, Shapiro-Wilk, the binomial interval). This module keeps what SciPy lacks:
 
-- :func:`two_level`: the **paired two-level bootstrap** -- the seeds both configs ran and
-  the evaluation samples both scored (matched by name), resampled together, folds as
-  strata -- whose standard error, split into its seed and its image parts, gives a t
-  interval (Satterthwaite's degrees of freedom). With the samples held fixed it is the
-  paired t-test exactly.
+- :func:`two_level`: the **paired two-level interval** -- the seeds both configs ran (the
+  paired t-test's variance) and the evaluation samples both scored (matched by name: each
+  sample's influence on the mean difference, the limit of a bootstrap of the samples),
+  folds as strata -- whose standard error, split into its seed and its sample parts,
+  gives a t interval (Satterthwaite's degrees of freedom). With the samples held fixed it
+  is the paired t-test exactly.
 - :func:`tost`: equivalence within ±δ (two one-sided tests: the 90% interval inside ±δ).
 - :func:`holm`: Holm's step-down correction for several groups against one baseline.
 - :func:`improvement`: the probability that the group beats the baseline on a seed, with
@@ -16,8 +17,7 @@ sign test, Shapiro-Wilk, the binomial interval). This module keeps what SciPy la
   smallest effect the seeds at hand resolve, at 80% power.
 
 Differences are always ``group - baseline``. Two-sided tests at the 95% level throughout.
-Every bootstrap draws from a generator keyed by a constant: the same runs give the same
-report, bit for bit.
+Nothing is drawn at random: the same runs give the same report, bit for bit.
 """
 
 from __future__ import annotations
@@ -43,9 +43,7 @@ LEVEL = 0.95  # of every interval
 POWER = 0.80  # of seeds_needed and resolvable
 MAX_SEEDS = 10_000  # seeds_needed stops counting here
 ALPHA = 1.0 - LEVEL
-REPLICATES = 2000  # bootstrap replicates of two_level
 SHAPE_MIN = 5  # values shape() needs: fewer say nothing of a distribution's shape
-BOOTSTRAP_KEY = 20211  # the key of two_level's generator: the same input, the same interval
 
 
 def t_quantile(p: float, df: float) -> float:
@@ -346,8 +344,8 @@ class Stratum:
 def headline(scores: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
     """The headline of each seed from its per-sample scores ``[..., seeds, samples,
     components]``: each component's mean over the samples where it is finite, then the
-    mean over components -- with each sample counted ``weights[..., i]`` times (a
-    bootstrap's draw counts; all ones when None)."""
+    mean over components -- with each sample counted ``weights[..., i]`` times (all ones
+    when None)."""
     present = np.isfinite(scores)
     filled = np.where(present, scores, 0.0)
     if weights is None:
@@ -361,39 +359,47 @@ def headline(scores: np.ndarray, weights: np.ndarray | None = None) -> np.ndarra
     )
 
 
-CHUNK = 200  # bootstrap replicates drawn at a time (memory: CHUNK x samples counts)
-
-
-def _sample_variance(s: Stratum, replicates: int, rng: np.random.Generator) -> float:
-    """The variance of a stratum's mean difference over bootstrap draws of its samples (the
-    same draws for both configs and every seed), scaled by n/(n-1); 0 with one sample."""
+def _sample_variance(s: Stratum) -> float:
+    """The variance of a stratum's mean difference that comes from which samples were
+    evaluated: the samples' variance over n of each sample's influence on the mean over
+    seeds of ``headline(group) - headline(baseline)`` (the same samples for both configs and
+    every seed, so what they share cancels). The influence of sample i on a component's
+    mean over the samples where it is scored, ``R_k = sum_i x_ik / sum_i p_ik``, is
+    ``(x_ik - R_k p_ik) / mean_i p_ik``, averaged over the components each seed scores: the
+    linearisation of the headline (the delta method), which is what a bootstrap of the
+    samples converges to (its infinitely many draws) -- exactly, where the headline is the
+    samples' plain mean -- without Monte-Carlo error and in time linear in seeds x samples
+    x components. 0 with one sample."""
     n = s.baseline.shape[1]
     if n < 2:
         return 0.0
-    found: list[np.ndarray] = []
-    for start in range(0, replicates, CHUNK):
-        draws = rng.multinomial(n, np.full(n, 1 / n), min(CHUNK, replicates - start))
-        with np.errstate(invalid="ignore"):
-            found.append(np.mean(headline(s.group, draws) - headline(s.baseline, draws), axis=1))
-    d = np.concatenate(found)
-    d = d[np.isfinite(d)]  # a draw with no sample of some class for some seed
-    return float(np.var(d)) * n / (n - 1) if len(d) > 1 else 0.0
+    influence = []
+    for x in (s.baseline, s.group):  # seeds x samples x components
+        present = np.isfinite(x)
+        filled = np.where(present, x, 0.0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            share = present.mean(axis=1, keepdims=True)
+            ratio = filled.sum(axis=1, keepdims=True) / present.sum(axis=1, keepdims=True)
+            each = (filled - ratio * present) / share  # NaN: a component a seed never scores
+            scored = np.isfinite(ratio).sum(axis=2)
+            influence.append(np.nansum(each, axis=2) / scored)  # seeds x samples
+    column = (influence[1] - influence[0]).mean(axis=0)  # each sample's, over the seeds
+    column = column[np.isfinite(column)]
+    return float(np.var(column, ddof=1)) / n if len(column) > 1 else 0.0
 
 
-def two_level(strata: list[Stratum], replicates: int = REPLICATES) -> dict[str, Any]:
+def two_level(strata: list[Stratum]) -> dict[str, Any]:
     """The paired two-level interval of ``group - baseline`` over seeds and evaluation
     samples (folds as strata; the difference is the mean over every (seed, fold) pair).
 
     The seed part of the variance is the paired t-test's over every (seed, fold) pair: the
     per-pair differences' variance over the pairs (so fold-to-fold differences count as
-    seed-to-seed ones do). The sample part is bootstrapped, fold by fold: the samples drawn
-    with replacement -- the same draws for both configs and every seed, so what they share
-    cancels -- the headline recomputed from the per-sample scores (a segmentation's mean
-    over classes and images too), the variance of the mean difference over the draws,
-    scaled by n/(n-1). The sum counts the seed-by-sample noise twice (a little wide, never
-    narrow); the interval is a t interval with Satterthwaite's degrees of freedom. With one
-    sample (or none varying) it is the paired t-test exactly."""
-    rng = np.random.default_rng(BOOTSTRAP_KEY)
+    seed-to-seed ones do). The sample part is the evaluation samples' (:func:`_sample_variance`:
+    each sample's influence on the mean difference over the seeds -- the limit of a
+    bootstrap of the samples, the same draws for both configs and every seed -- its
+    variance over n), fold by fold. The sum counts the seed-by-sample noise twice (a little
+    wide, never narrow); the interval is a t interval with Satterthwaite's degrees of
+    freedom. With one sample (or none varying) it is the paired t-test exactly."""
     pairs = sum(s.baseline.shape[0] for s in strata)
     per_seed: list[float] = []
     for s in strata:
@@ -402,7 +408,7 @@ def two_level(strata: list[Stratum], replicates: int = REPLICATES) -> dict[str, 
     v_seed = statistics.variance(per_seed) / pairs if pairs > 1 else 0.0
     parts, dfs = [v_seed], [pairs - 1]
     for s in strata:
-        parts.append((s.baseline.shape[0] / pairs) ** 2 * _sample_variance(s, replicates, rng))
+        parts.append((s.baseline.shape[0] / pairs) ** 2 * _sample_variance(s))
         dfs.append(s.baseline.shape[1] - 1)
     v_sample = sum(parts[1:])
     out = {
@@ -412,7 +418,7 @@ def two_level(strata: list[Stratum], replicates: int = REPLICATES) -> dict[str, 
         "sample_var": v_sample,
         "seed_share": v_seed / (v_seed + v_sample) if v_seed + v_sample > 0 else None,
         "samples": [int(s.baseline.shape[1]) for s in strata],
-        "replicates": replicates,
+        "sample_method": "delta",  # the samples' influence: a bootstrap's limit, exactly
     }
     out.update(_test(mean_diff, math.sqrt(v_seed + v_sample), _satterthwaite(parts, dfs)))
     return out
