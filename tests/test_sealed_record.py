@@ -154,6 +154,9 @@ def test_the_record_holds_the_statistics_the_run_trained_with(sealed):
     assert run.summary["metric_bounds"]["val_dice"] == [0.0, 1.0]
     assert "val_loss" not in run.summary["metric_bounds"]
     assert "val_empty_nucleus" in run.summary["count_metrics"]
+    directions = run.summary["metric_directions"]
+    assert directions["val_dice"] is True and directions["val_loss"] is False
+    assert directions["val_iou_nucleus"] is True and "val_empty_nucleus" not in directions
 
 
 @pytest.mark.parametrize(

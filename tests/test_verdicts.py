@@ -232,6 +232,38 @@ def test_a_class_a_job_never_predicts_is_named(tmp_path):
     assert never_predicted("no val_per_image.csv") == []
 
 
+def test_a_lower_is_better_metric_is_judged_the_task_s_way(tmp_path):
+    """A fork's task whose headline is a distance (HD95 in mm, lower is better) and an extra
+    metric it declares lower-is-better (summary.json's metric_directions, from
+    Task.higher_is_better_for): the group with smaller values is better on both, and a
+    distance of 0 on every image is a perfect score, not a collapse."""
+    rng = np.random.default_rng(4)
+    noise = rng.normal(0, 0.05, (2, 6, IMAGES))
+
+    def mm(shift, i):
+        return lambda s: list(2.0 + shift + noise[i, s])
+
+    out = sweep(tmp_path, {"0.05": mm(0.0, 0), "0.1": mm(-0.5, 1)}, range(6))
+    for path in out.glob("*/summary.json"):
+        summary = json.loads(path.read_text())
+        value = summary.pop("val_dice")
+        summary.update(val_hd95=value, val_extra_mm=value, headline="val_hd95")
+        summary.update(higher_is_better=False, metric_names=["val_hd95", "val_extra_mm"])
+        summary["metric_directions"] = {"val_hd95": False, "val_extra_mm": False}
+        path.write_text(json.dumps(summary))
+    report = build_report(out, metrics=["val_extra_mm"])
+    hd95, extra = report["comparisons"]
+    assert (hd95["metric"], extra["metric"]) == ("val_hd95", "val_extra_mm")
+    assert hd95["outcome"] == "better" and extra["outcome"] == "better"
+    assert extra["verdict"].startswith("lower (better)")
+    from repro.records.sample_records import SampleScores, collapse
+
+    perfect = SampleScores(["a", "b"], ["headline"], [[0.0], [0.0]], {})
+    declared = {"headline": "val_hd95", "metric_directions": {"val_hd95": False}}
+    assert collapse(declared, perfect) is None
+    assert collapse({"headline": "val_dice", "higher_is_better": True}, perfect)
+
+
 def test_a_diverged_seed_is_collapsed(tmp_path):
     _, c = comparison(
         tmp_path, design(0.003, 0.003, 0.03), seeds=range(5), final_losses={("0.1", 2): None}

@@ -62,6 +62,16 @@ class Task:
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def higher_is_better_for(self, metric: str) -> bool | None:
+        """Which way a metric is better: the headline's is :attr:`higher_is_better`, a loss
+        is better lower, any other unknown (None) unless a task says. The one rule that
+        ``repro report`` (better or worse), ``repro confirm``, a search's ranking and the
+        collapse rule read, from ``summary.json``'s ``metric_directions``; a task with a
+        lower-is-better metric of its own (a distance in mm) overrides it."""
+        if metric == self.headline:
+            return bool(self.higher_is_better)
+        return False if "loss" in metric else None
+
     def bounds(self, metric: str) -> tuple[float, float] | None:
         """The range a metric's values lie in (``(0, 1)`` for an accuracy or a Dice), which
         ``repro report`` keeps its intervals inside; None: unbounded (a loss). Recorded in
@@ -105,6 +115,9 @@ class Classification(Task):
 
     def bounds(self, metric: str) -> tuple[float, float] | None:
         return (0.0, 1.0) if "accuracy" in metric else None
+
+    def higher_is_better_for(self, metric: str) -> bool | None:
+        return True if "accuracy" in metric else super().higher_is_better_for(metric)
 
     def statistics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         return {
@@ -242,10 +255,16 @@ class Segmentation(Task):
         """The pixels that count: a class, and not ``ignore_index``."""
         return (targets >= 0) & (targets < self.num_classes) & (targets != self.ignore_index)
 
+    SCORES = ("val_dice", "val_iou", "val_pixel_accuracy")  # in [0, 1], higher is better
+
     def bounds(self, metric: str) -> tuple[float, float] | None:
         """Dice, IoU and the pixel accuracy lie in [0, 1]; the loss does not."""
-        kinds = ("val_dice", "val_iou", "val_pixel_accuracy")
-        return (0.0, 1.0) if metric.startswith(kinds) else None
+        return (0.0, 1.0) if metric.startswith(self.SCORES) else None
+
+    def higher_is_better_for(self, metric: str) -> bool | None:
+        if metric.startswith(self.SCORES):
+            return True
+        return super().higher_is_better_for(metric)
 
     def is_count(self, metric: str) -> bool:
         """``val_empty_<class>``: the images with none of a class, reference and prediction."""

@@ -530,14 +530,19 @@ def run_test(run: Run, data: DataSplits) -> dict[str, Any]:
 
 def metric_kinds(task: Any, names: list[str]) -> dict[str, Any]:
     """summary.json's ``metric_bounds`` (the range of each bounded metric: ``repro report``
-    keeps its intervals inside it) and ``count_metrics`` (counts: no interval of a mean), as
-    the task declares them (:meth:`repro.components.tasks.Task.bounds`, ``is_count``; a task
-    that does not declare: none)."""
+    keeps its intervals inside it), ``count_metrics`` (counts: no interval of a mean) and
+    ``metric_directions`` (whether higher is better, where known), as the task declares
+    them (:meth:`repro.components.tasks.Task.bounds`, ``is_count``,
+    ``higher_is_better_for``; a task that does not declare: none, its headline's way)."""
     bounds = getattr(task, "bounds", lambda name: None)
     count = getattr(task, "is_count", lambda name: False)
+    direction = getattr(task, "higher_is_better_for", None)
+    if direction is None:  # a task of its own that does not subclass Task: the headline's
+        direction = lambda name: bool(task.higher_is_better) if name == task.headline else None  # noqa: E731
     return {
         "metric_bounds": {m: [float(v) for v in b] for m in names if (b := bounds(m))},
         "count_metrics": [m for m in names if count(m)],
+        "metric_directions": {m: d for m in names if (d := direction(m)) is not None},
     }
 
 

@@ -15,7 +15,8 @@ near for an outlier rule):
 - diverged: its final training loss is not finite;
 - one class everywhere: every sample predicted as one class (classification's
   ``prediction`` column), or a headline of 0 on every sample that has a score (a
-  segmentation that predicts none of the scored classes);
+  segmentation that predicts none of the scored classes) -- where higher is better: a 0
+  of a lower-is-better headline (a distance) is a perfect score;
 - at chance: a balanced accuracy (each class's share of right answers, averaged over the
   classes) no better than guessing, 1/K -- so a good model on imbalanced data is not one.
 
@@ -121,7 +122,10 @@ def collapse(summary: dict[str, Any], scores: SampleScores | str | None) -> str 
     if predictions and len(set(predictions)) == 1 and len(predictions) > 1:
         return f"one class everywhere (predicts class {predictions[0]} for every sample)"
     finite = [v for row in scores.values for v in row if math.isfinite(v)]
-    if finite and all(v == 0 for v in finite):
+    headline = summary.get("headline")
+    directions = summary.get("metric_directions") or {}
+    lower_is_better = directions.get(headline, summary.get("higher_is_better")) is False
+    if finite and all(v == 0 for v in finite) and not lower_is_better:  # 0 mm: perfect
         return (
             "one class everywhere (scores 0 on every sample: predicts none of the scored classes)"
         )

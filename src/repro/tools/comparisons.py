@@ -427,7 +427,12 @@ def compare(base: dict[str, Any], group: dict[str, Any], metric: str) -> dict[st
 
 
 def _higher_is_better(group: dict[str, Any], metric: str) -> bool | None:
-    """Which way is better: the task says for its headline; a loss is better lower."""
+    """Which way is better: the task says (``metric_directions`` in its summary.json:
+    :meth:`repro.components.tasks.Task.higher_is_better_for`); a run from before that
+    record: the headline's ``higher_is_better``, a loss better lower, others unknown."""
+    declared = group.get("metric_directions") or {}
+    if isinstance(declared.get(metric), bool):
+        return declared[metric]
     if metric == group["headline"] and group.get("higher_is_better") is not None:
         return bool(group["higher_is_better"])
     return False if "loss" in metric else None

@@ -524,6 +524,7 @@ def build_report(
                 ],
                 "headline": metric_names[0],
                 "higher_is_better": first.get("higher_is_better"),
+                "metric_directions": first.get("metric_directions") or {},
                 "metrics": per_metric,
                 "distinct_weights": len({str(j.summary.get("weights_sha256")) for j in ok}),
             }

@@ -50,9 +50,13 @@ def _run_control(key: str) -> bool:
 
 
 def higher_is_better(sweep_dir: Path, jobs: list[Job]) -> bool:
-    """Which way the headline is better: the task says (summary.json), else the sweeper's
+    """Which way the headline is better: the task says (summary.json's
+    ``metric_directions``, else its ``higher_is_better``), else the sweeper's
     ``direction``, else a loss is better lower."""
     for j in jobs:
+        declared = (j.summary.get("metric_directions") or {}).get(j.summary.get("headline"))
+        if isinstance(declared, bool):
+            return declared
         if isinstance(j.summary.get("higher_is_better"), bool):
             return j.summary["higher_is_better"]
     multirun = sweep_dir / "multirun.yaml"
