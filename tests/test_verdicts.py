@@ -82,6 +82,7 @@ def comparison(tmp_path, configs, seeds=range(8), sesoi=None, **kw):
 def test_better_by_more_than_delta_over_seeds_and_samples(tmp_path):
     _, c = comparison(tmp_path, design(0.003, 0.003, 0.03), sesoi=0.01)
     assert c["decision"]["by"] == "seeds and samples" and c["two_level"]["samples"] == [IMAGES]
+    assert c["path"] == "seeds and samples (two-level)"
     assert c["outcome"] == "better by more than δ"
     assert (
         c["verdict"].startswith("higher (better) by 0.0")
@@ -205,6 +206,11 @@ def test_a_collapsed_seed_is_named_and_the_medians_lead(tmp_path):
     assert group["outliers"] == [] and [x["seed"] for x in group["collapsed"]] == [1]
     text = format_markdown(report, {})
     assert "**collapsed**: seed 1 (1_seed=1)" in text and "interquartile mean" in text
+    # the table's p is the one the verdict rests on (the sign test's), and says which path
+    assert c["path"].startswith("P(B > A) and the sign test over seeds")
+    sign = c["decision"]["robust"]["p_value"]
+    (row,) = [r for r in text.splitlines() if r.startswith("| optim.lr=0.1 | val_dice |")]
+    assert f"| {c['path']} | {sign:.2g} |" in row
 
 
 def test_a_class_a_job_never_predicts_is_named(tmp_path):

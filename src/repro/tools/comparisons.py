@@ -122,7 +122,30 @@ def compare_groups(
     for c in out["comparisons"]:
         c["verdict"] = verdict(c)
         c["outcome"] = outcome(c)
+        c["path"] = path(c)
     return out
+
+
+def path(c: dict[str, Any]) -> str:
+    """Which of the report's paths produced the verdict, in words (report.json's ``path``,
+    the table's "decided by")."""
+    d = c.get("decision") or {}
+    if c.get("paired") and c.get("within_resolution"):
+        return "the same to round-off (no test)"
+    if not d:
+        return "no test (no spread, or no value)"
+    if d.get("robust"):
+        return "P(B > A) and the sign test over seeds (a seed collapsed, or values not normal)"
+    if not c.get("paired"):
+        return "seeds, unpaired (Welch)"
+    words = (
+        "seeds and samples (two-level)"
+        if d.get("by") == "seeds and samples"
+        else ("seeds (paired t)")
+    )
+    if d.get("folds_corrected"):
+        words += ", corrected for folds (Nadeau-Bengio)"
+    return words
 
 
 def _p(decision: dict[str, Any]) -> float | None:
@@ -855,10 +878,9 @@ def format_comparisons(report: dict[str, Any]) -> list[str]:
         seeds_ci = c.get("ci95")  # the paired t interval, or Welch's when unpaired
         places = _decimals(*(v for v in [c.get("mean_diff"), *(ci or [])] if v))
         r = c.get("correlation")
-        p = ((d.get("holm") or {}).get("p_value", d.get("p_value"))) if d else c.get("p_value")
-        by_what = d.get("by", "seeds") if c["paired"] else "seeds (Welch)"
-        if d.get("robust"):
-            by_what = "medians, P(B > A)"
+        # the p the verdict rests on: Holm's, else the sign test's where a mean misleads
+        p = ((d.get("holm") or {}).get("p_value", _p(d))) if d else c.get("p_value")
+        by_what = c.get("path") or path(c)
 
         def fmt(v: Any, places: int = places) -> str:
             return "–" if v is None else f"{v:.{places}f}"
