@@ -397,6 +397,39 @@ def test_the_samples_part_is_the_limit_of_a_bootstrap_of_the_samples():
     assert plain == pytest.approx(np.var(columns, ddof=1) / 120, rel=1e-12)
 
 
+def test_unpaired_configs_that_scored_the_same_images_keep_the_images_part(tmp_path):
+    """Configs that ran other seeds (no pair) but scored the same images: the interval that
+    decides is two-level (Welch's seeds part plus the images'), not Welch over seeds alone,
+    whose false-positive rate is far above 5% when each config has its own image effects
+    (400 null experiments here: a gross-failure check; the record is in the note)."""
+    rng = np.random.default_rng(7)
+    welch = two = 0
+    for _ in range(400):
+        shared = rng.normal(0, 0.1, 40)
+        a, b = (
+            0.7 + shared + rng.normal(0, 0.005, (4, 1)) + rng.normal(0, 0.03, 40)
+            + rng.normal(0, 0.02, (4, 40))
+            for _ in range(2)
+        )  # fmt: skip
+        welch += (stats.welch(a.mean(1).tolist(), b.mean(1).tolist())["p_value"] or 1) < 0.05
+        two += (stats.two_level_unpaired(a[..., None], b[..., None])["p_value"] or 1) < 0.05
+    assert welch / 400 > 0.12 and two / 400 < 0.08, (welch, two)
+    # in a report: the group's jobs are seeds 3-5, the baseline's 0-2, the same images
+    d = design(0.003, 0.003, 0.03)
+    out = sweep(tmp_path, {"0.05": d["0.05"]}, range(3))
+    for num, s in enumerate(range(3, 6), start=3):
+        job(out, num, 0.1, s, d["0.1"](s))
+    c = build_report(out)["comparisons"][0]
+    assert not c["paired"] and c["decision"]["by"] == "seeds and samples"
+    assert c["path"] == "seeds and samples, unpaired (two-level, Welch's seeds)"
+    assert c["two_level"]["samples"] == [IMAGES] and c["two_level"]["sample_var"] > 0
+    welch_half = (c["ci95"][1] - c["ci95"][0]) / 2  # Welch over the seeds alone
+    assert c["decision"]["se"] ** 2 == pytest.approx(
+        c["two_level"]["seed_var"] + c["two_level"]["sample_var"], rel=1e-12
+    )
+    assert c["decision"]["ci95"] != c["ci95"] and welch_half > 0
+
+
 def test_a_list_difference_is_said_in_words():
     flip = {"_target_": "albumentations.HorizontalFlip", "p": 0.5}
     elastic = {"_target_": "albumentations.ElasticTransform", "alpha": 30}

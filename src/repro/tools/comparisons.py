@@ -137,6 +137,8 @@ def path(c: dict[str, Any]) -> str:
     if d.get("robust"):
         return "P(B > A) and the sign test over seeds (a seed collapsed, or values not normal)"
     if not c.get("paired"):
+        if d.get("by") == "seeds and samples":
+            return "seeds and samples, unpaired (two-level, Welch's seeds)"
         return "seeds, unpaired (Welch)"
     words = (
         "seeds and samples (two-level)"
@@ -206,8 +208,11 @@ def judge(
         return
     decision: dict[str, Any] = {"by": "seeds"}
     level = None
-    if c["paired"] and samples:
-        level = _two_level(seeds, ok, SampleScores)
+    if samples and (c["paired"] or not c.get("by_fold")):
+        if c["paired"]:
+            level = _two_level(seeds, ok, SampleScores)
+        else:  # other seeds, the same samples: the samples' part is still there
+            level = _two_level_unpaired(ok, SampleScores)
         if isinstance(level, str):
             decision["why_seeds_only"] = level
         else:
@@ -280,6 +285,32 @@ def _correct_for_folds(c: dict[str, Any], decision: dict[str, Any], seeds: list[
         got = stats.fold_corrected(decision["mean_diff"], decision["se"] ** 2, len(seeds), folds)
     decision.update({k: got[k] for k in ("ci95", "p_value", "se", "df")})
     decision["folds_corrected"] = {"folds": folds, "factor": got["factor"]}
+
+
+def _two_level_unpaired(ok: dict[str, dict[Any, Any]], kind: type) -> dict | str:
+    """:func:`repro.tools.stats.two_level_unpaired` over every finished job of each side
+    (configs that ran other seeds), or why the per-sample scores cannot be used."""
+    import numpy as np
+
+    names = columns = None
+    tables: dict[str, list[Any]] = {"baseline": [], "group": []}
+    for side in ("baseline", "group"):
+        for k, job in sorted(ok[side].items(), key=lambda kv: seed_order(kv[0])):
+            scores = getattr(job, "scores", None)
+            if not isinstance(scores, kind):
+                why = scores if isinstance(scores, str) else "no per-sample scores"
+                return f"{job.dir.name} (the {side}'s seed {_key_text(k)}): {why}"
+            if names is None:
+                names, columns = sorted(scores.names), scores.columns
+            elif sorted(scores.names) != names or scores.columns != columns:
+                return f"{job.dir.name} (the {side}'s seed {_key_text(k)}) scored other samples"
+            row = dict(zip(scores.names, scores.values, strict=True))
+            tables[side].append([row[n] for n in names])
+    if not tables["baseline"] or not tables["group"]:
+        return "a side has no finished job"
+    return stats.two_level_unpaired(
+        np.array(tables["baseline"], float), np.array(tables["group"], float)
+    )
 
 
 def _two_level(seeds: list[Any], ok: dict[str, dict[Any, Any]], kind: type) -> dict | str:

@@ -373,19 +373,53 @@ def _sample_variance(s: Stratum) -> float:
     n = s.baseline.shape[1]
     if n < 2:
         return 0.0
-    influence = []
-    for x in (s.baseline, s.group):  # seeds x samples x components
-        present = np.isfinite(x)
-        filled = np.where(present, x, 0.0)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            share = present.mean(axis=1, keepdims=True)
-            ratio = filled.sum(axis=1, keepdims=True) / present.sum(axis=1, keepdims=True)
-            each = (filled - ratio * present) / share  # NaN: a component a seed never scores
-            scored = np.isfinite(ratio).sum(axis=2)
-            influence.append(np.nansum(each, axis=2) / scored)  # seeds x samples
-    column = (influence[1] - influence[0]).mean(axis=0)  # each sample's, over the seeds
-    column = column[np.isfinite(column)]
+    column = influence(s.group).mean(axis=0) - influence(s.baseline).mean(axis=0)
+    column = column[np.isfinite(column)]  # each sample's, over the seeds
     return float(np.var(column, ddof=1)) / n if len(column) > 1 else 0.0
+
+
+def influence(x: np.ndarray) -> np.ndarray:
+    """Each sample's influence on each seed's headline (``seeds x samples``) from the
+    per-sample scores ``x[seed, sample, component]`` (NaN: not scored): see
+    :func:`_sample_variance`."""
+    present = np.isfinite(x)
+    filled = np.where(present, x, 0.0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        share = present.mean(axis=1, keepdims=True)
+        ratio = filled.sum(axis=1, keepdims=True) / present.sum(axis=1, keepdims=True)
+        each = (filled - ratio * present) / share  # NaN: a component a seed never scores
+        scored = np.isfinite(ratio).sum(axis=2)
+        return np.nansum(each, axis=2) / scored
+
+
+def two_level_unpaired(baseline: np.ndarray, group: np.ndarray) -> dict[str, Any]:
+    """The two-level interval of ``group - baseline`` when the configs ran other seeds
+    (``baseline[seed, sample, component]``, ``group[seed', sample, component]``) but scored
+    the same samples: the seeds' part Welch's (each config's per-seed headlines' variance
+    over its seeds), the samples' part as :func:`two_level`'s (each sample's influence on
+    the difference of the two configs' means over their seeds, its variance over n); a t
+    interval with Satterthwaite's degrees of freedom. Like the paired one, it counts the
+    seed-by-sample noise in both parts (wide, never narrow)."""
+    a, b = headline(baseline), headline(group)
+    na, nb, n = len(a), len(b), baseline.shape[1]
+    mean_diff = float(np.mean(b) - np.mean(a))
+    va = float(np.var(a, ddof=1)) / na if na > 1 else 0.0
+    vb = float(np.var(b, ddof=1)) / nb if nb > 1 else 0.0
+    column = influence(group).mean(axis=0) - influence(baseline).mean(axis=0)
+    column = column[np.isfinite(column)]
+    v_sample = float(np.var(column, ddof=1)) / n if len(column) > 1 else 0.0
+    total = va + vb + v_sample
+    out = {
+        "mean_diff": mean_diff,
+        "seed_var": va + vb,
+        "sample_var": v_sample,
+        "seed_share": (va + vb) / total if total > 0 else None,
+        "samples": [int(n)],
+        "sample_method": "delta",
+    }
+    df = _satterthwaite([va, vb, v_sample], [na - 1, nb - 1, n - 1])
+    out.update(_test(mean_diff, math.sqrt(total), df))
+    return out
 
 
 def two_level(strata: list[Stratum]) -> dict[str, Any]:
