@@ -287,63 +287,61 @@ def _correct_for_folds(c: dict[str, Any], decision: dict[str, Any], seeds: list[
     decision["folds_corrected"] = {"folds": folds, "factor": got["factor"]}
 
 
-def _two_level_unpaired(ok: dict[str, dict[Any, Any]], kind: type) -> dict | str:
-    """:func:`repro.tools.stats.two_level_unpaired` over every finished job of each side
-    (configs that ran other seeds), or why the per-sample scores cannot be used."""
+def _score_tables(
+    jobs: list[tuple[str, Any, Any]], kind: type, others: str
+) -> tuple[Any, Any] | str:
+    """The per-sample scores of ``jobs`` (``(side, key, job)``) as two arrays ``seeds x
+    samples x components``, the baseline's and the group's, samples matched by name; or
+    why they cannot be used (a job without them, or one that scored other samples than
+    ``others``)."""
     import numpy as np
 
     names = columns = None
     tables: dict[str, list[Any]] = {"baseline": [], "group": []}
-    for side in ("baseline", "group"):
-        for k, job in sorted(ok[side].items(), key=lambda kv: seed_order(kv[0])):
-            scores = getattr(job, "scores", None)
-            if not isinstance(scores, kind):
-                why = scores if isinstance(scores, str) else "no per-sample scores"
-                return f"{job.dir.name} (the {side}'s seed {_key_text(k)}): {why}"
-            if names is None:
-                names, columns = sorted(scores.names), scores.columns
-            elif sorted(scores.names) != names or scores.columns != columns:
-                return f"{job.dir.name} (the {side}'s seed {_key_text(k)}) scored other samples"
-            row = dict(zip(scores.names, scores.values, strict=True))
-            tables[side].append([row[n] for n in names])
-    if not tables["baseline"] or not tables["group"]:
+    for side, k, job in jobs:
+        scores = getattr(job, "scores", None)
+        if not isinstance(scores, kind):
+            why = scores if isinstance(scores, str) else "no per-sample scores"
+            return f"{job.dir.name} (the {side}'s seed {_key_text(k)}): {why}"
+        if names is None:
+            names, columns = sorted(scores.names), scores.columns
+        elif sorted(scores.names) != names or scores.columns != columns:
+            return (
+                f"{job.dir.name} (the {side}'s seed {_key_text(k)}) scored other samples (or "
+                f"classes) than {others}"
+            )
+        row = dict(zip(scores.names, scores.values, strict=True))
+        tables[side].append([row[n] for n in names])
+    return np.array(tables["baseline"], float), np.array(tables["group"], float)
+
+
+def _two_level_unpaired(ok: dict[str, dict[Any, Any]], kind: type) -> dict | str:
+    """:func:`repro.tools.stats.two_level_unpaired` over every finished job of each side
+    (configs that ran other seeds), or why the per-sample scores cannot be used."""
+    if not ok["baseline"] or not ok["group"]:
         return "a side has no finished job"
-    return stats.two_level_unpaired(
-        np.array(tables["baseline"], float), np.array(tables["group"], float)
-    )
+    jobs = [
+        (side, k, job)
+        for side in ("baseline", "group")
+        for k, job in sorted(ok[side].items(), key=lambda kv: seed_order(kv[0]))
+    ]
+    tables = _score_tables(jobs, kind, "the other jobs compared")
+    return tables if isinstance(tables, str) else stats.two_level_unpaired(*tables)
 
 
 def _two_level(seeds: list[Any], ok: dict[str, dict[Any, Any]], kind: type) -> dict | str:
     """:func:`repro.tools.stats.two_level` over the paired ``seeds`` (folds as strata), or why
     the per-sample scores cannot be used."""
-    import numpy as np
-
     strata: dict[Any, list[Any]] = {}
     for k in seeds:
         strata.setdefault(k[1] if isinstance(k, tuple) else None, []).append(k)
     built = []
     for keys in strata.values():
-        names = None
-        tables: dict[str, list[Any]] = {"baseline": [], "group": []}
-        for k in keys:
-            for side in ("baseline", "group"):
-                job = ok[side][k]
-                scores = getattr(job, "scores", None)
-                if not isinstance(scores, kind):
-                    why = scores if isinstance(scores, str) else "no per-sample scores"
-                    return f"{job.dir.name} (the {side}'s seed {_key_text(k)}): {why}"
-                if names is None:
-                    names, columns = sorted(scores.names), scores.columns
-                elif sorted(scores.names) != names or scores.columns != columns:
-                    return (
-                        f"{job.dir.name} (the {side}'s seed {_key_text(k)}) scored other "
-                        "samples (or classes) than the other jobs of its fold"
-                    )
-                row = dict(zip(scores.names, scores.values, strict=True))
-                tables[side].append([row[n] for n in names])
-        built.append(
-            stats.Stratum(np.array(tables["baseline"], float), np.array(tables["group"], float))
-        )
+        jobs = [(side, k, ok[side][k]) for k in keys for side in ("baseline", "group")]
+        tables = _score_tables(jobs, kind, "the other jobs of its fold")
+        if isinstance(tables, str):
+            return tables
+        built.append(stats.Stratum(*tables))
     return stats.two_level(built)
 
 
