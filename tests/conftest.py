@@ -146,6 +146,24 @@ SHORT = ["trainer.max_steps=40", "trainer.eval_every=40", "trainer.log_every=10"
 SMALL_DATA = ["data.train_size=1024", "data.val_size=128"]
 # The traced short run several test files read (trace digests every 10 steps)
 TRACED = [*SHORT, "trainer.trace_every=10", *SMALL_DATA, "model.width=16"]
+# A native segmentation run at its smallest (test_native, test_sealed_record): a folder of
+# 1-channel images of their own sizes, 3 named classes, 64-px patches, 6 steps
+NATIVE = [
+    "experiment=segmentation_native",
+    "data.num_classes=3",
+    "data.channels=1",
+    "data.class_names=[background,nucleus,boundary]",
+    "data.image_size=64",
+    "data.val_fraction=0.3",
+    "model.width=8",
+    "model.depth=2",
+    "trainer.batch_size=8",
+    "trainer.micro_batch_size=4",
+    "trainer.max_steps=6",
+    "trainer.eval_every=3",
+    "trainer.checkpoint_every=3",
+    "inference.tile_batch=2",
+]
 # A sweep's job at its smallest (test_sweep, test_search): 6 steps, 512 samples, width 8
 TINY = [
     "trainer.max_steps=6",
@@ -307,6 +325,21 @@ class _Records(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(record.getMessage())
+
+
+class Stop(Exception):
+    """What :func:`stop_after`'s hook raises: a run stopped in this process at a known step."""
+
+
+def stop_after(step: int):
+    """``train_here(..., after_step=stop_after(N))``: the run stops right after step N (its
+    checkpoints up to then written), as a kill would leave it."""
+
+    def hook(done, model):
+        if done == step:
+            raise Stop
+
+    return hook
 
 
 def repro_here(*args: object) -> int:

@@ -5,7 +5,7 @@ backend; the CUDA tests are in test_cuda.py)."""
 import pytest
 import torch
 
-from conftest import SMALL_DATA, run_defaults, train_here
+from conftest import SMALL_DATA, Stop, run_defaults, stop_after, train_here
 from repro.base.errors import CheckpointError, ConfigError
 from repro.tools.compare import compare_dirs
 
@@ -68,18 +68,6 @@ def test_a_compiled_strict_run_repeats_with_any_loader_and_differs_from_eager_as
     assert single.summary["warmup_seconds"] > 0  # compilation, apart from the throughput
     result = compare_dirs(eager.dir, single.dir)
     assert not result.identical and "trainer.compile" in result.text(), result.text()
-
-
-class Stop(Exception):
-    pass
-
-
-def stop_after(step):
-    def hook(done, model):
-        if done == step:
-            raise Stop
-
-    return hook
 
 
 @pytest.mark.e2e

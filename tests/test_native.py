@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import NATIVE as SMALL_NATIVE
 from conftest import Run, cuda, repro_here, run_defaults, train_here
 from repro.base.errors import ConfigError, DataError
 from repro.components.data.synthetic import write_nuclei_folder
@@ -85,23 +86,7 @@ def test_bad_inference_settings_are_one_line(tmp_path):
 
 # ---------------------------------------------------------------- native, end to end
 
-NATIVE = [
-    "experiment=segmentation_native",
-    "data.num_classes=3",
-    "data.channels=1",
-    "data.class_names=[background,nucleus,boundary]",
-    "task.unions={cell:[nucleus,boundary]}",
-    "data.image_size=64",
-    "data.val_fraction=0.3",
-    "model.width=8",
-    "model.depth=2",
-    "trainer.batch_size=8",
-    "trainer.micro_batch_size=4",
-    "trainer.max_steps=6",
-    "trainer.eval_every=3",
-    "trainer.checkpoint_every=3",
-    "inference.tile_batch=2",
-]
+NATIVE = [*SMALL_NATIVE, "task.unions={cell:[nucleus,boundary]}"]  # and a union
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import repro_here, run_defaults, train_here
+from conftest import NATIVE, Stop, repro_here, run_defaults, stop_after, train_here
 from repro.base.errors import CheckpointError, ConfigError
 from repro.components.data.splitting import split_inputs
 from repro.components.data.synthetic import write_nuclei_folder
@@ -32,23 +32,6 @@ from repro.records.checkpoint import save_checkpoint
 from repro.records.fingerprint import SPLIT_KEY, split_mismatches
 from repro.records.scoring import SCORING_FORMAT, ScoringRecord
 from repro.tools.compare import compare_dirs
-
-NATIVE = [
-    "experiment=segmentation_native",
-    "data.num_classes=3",
-    "data.channels=1",
-    "data.class_names=[background,nucleus,boundary]",
-    "data.image_size=64",
-    "data.val_fraction=0.3",
-    "model.width=8",
-    "model.depth=2",
-    "trainer.batch_size=8",
-    "trainer.micro_batch_size=4",
-    "trainer.max_steps=6",
-    "trainer.eval_every=3",
-    "trainer.checkpoint_every=3",
-    "inference.tile_batch=2",
-]
 
 
 @pytest.fixture(scope="module")
@@ -197,18 +180,6 @@ def test_a_damaged_or_foreign_record_is_one_line_naming_the_file(tmp_path, chang
 # ---------------------------------------------------------------- what decided the split
 
 
-class Stop(Exception):
-    pass
-
-
-def stop_at(step):
-    def hook(done, model):
-        if done == step:
-            raise Stop
-
-    return hook
-
-
 def test_an_edited_group_csv_is_named_by_compare_and_refuses_the_resume(sealed, tmp_path):
     run, training, _ = sealed
     stems = sorted(f.stem for f in (training / "images").iterdir())
@@ -218,7 +189,7 @@ def test_an_edited_group_csv_is_named_by_compare_and_refuses_the_resume(sealed, 
     short = [*run.overrides, f"data.group_csv={groups}", "trainer.max_steps=4",
              "trainer.checkpoint_every=2", "trainer.eval_every=2"]  # fmt: skip
     with pytest.raises(Stop):
-        train_here(tmp_path / "a", *short, after_step=stop_at(3))  # a checkpoint at step 2
+        train_here(tmp_path / "a", *short, after_step=stop_after(3))  # a checkpoint at step 2
     recorded = json.loads((tmp_path / "a" / "env.json").read_text())["environment"][SPLIT_KEY]
     assert recorded["file_names"]["count"] == 12
     assert recorded["group_csv"]["path"] == str(groups)
