@@ -69,10 +69,10 @@ def check_sweep_data(jobs: list[tuple[list[str], DictConfig]]) -> None:
         if not target.endswith((".image_folder", ".image_mask_folder")):
             continue
         try:
-            key = OmegaConf.to_yaml(node, resolve=True)
             listed = OmegaConf.to_container(node, resolve=True)
         except Exception:  # an interpolation it cannot resolve: the job says so itself
             continue
+        key = repr(sorted(listed.items(), key=str))  # the same data config, listed once
         if key in seen:
             continue
         seen.add(key)
