@@ -10,20 +10,23 @@ both, the groups are compared unpaired (Welch's t-test). Cross-validated groups
 (``data.fold``) pair a job with the other group's job of the same seed *and* fold.
 
 The seeds are one source of uncertainty; **which samples were annotated** is the other. For
-the headline, where every paired job has its per-sample scores
-(:mod:`repro.records.sample_records`), the interval that decides the verdict is the paired
-two-level one (:func:`repro.tools.stats.two_level`: seeds and evaluation samples, matched by name,
-resampled together; folds as strata), and the report says which source dominates; else the
-seeds' paired t interval decides, and the report says so.
+the headline, where every job compared has its per-sample scores
+(:mod:`repro.records.sample_records`), the interval that decides the verdict is the two-level
+one (:func:`repro.tools.stats.two_level`, paired; :func:`repro.tools.stats.two_level_unpaired`
+for configs that ran other seeds: seeds and evaluation samples, matched by name, a crossed
+decomposition that counts the seed-by-sample noise once; folds as strata), and the report
+says which source dominates; else the seeds' t interval decides, and the report says so.
 
 The verdict is one of: better / worse (the deciding interval excludes 0; with a smallest
 effect of interest δ, ``--sesoi``, whether by more than δ), equivalent within ±δ (two
 one-sided tests: the 90% interval inside ±δ), or can't tell -- with the seeds a δ needs, or
 without δ the smallest difference these seeds resolve. Several groups against one baseline
-are corrected for multiple comparisons (Holm). A seed whose run collapsed is named as such;
-collapsed seeds, or per-seed values a normal distribution does not fit, make the verdict
-rest on the medians and the probability of improvement P(B > A) with its exact interval,
-not on a mean's t interval. The config keys in which the groups differ are listed from their
+are corrected for multiple comparisons (Holm). A seed whose run collapsed is named as such
+and left out of the interval (a failure is counted, not averaged). Below 3 seeds a config,
+or for cross-validated configs that cannot be paired, there is no test: the report says
+why and how many seeds the spread needs. Beside every verdict: the medians, interquartile
+means, and P(B > A) on a seed with its exact interval, and the per-seed values' shape
+where a normal one is rejected. The config keys in which the groups differ are listed from their
 resolved configs (a list, such as a pipeline's transforms, by what was added, removed or
 changed where), and a comparison across environments (GPU, torch, the CPU's instruction set)
 is labelled as one: there, the same seed no longer means the same bits. The statistics are
@@ -56,13 +59,15 @@ def compare_groups(
     baseline: str | None = None,
     metrics: list[str] | None = None,
     sesoi: float | None = None,
+    aggregates: bool = True,
 ) -> dict[str, Any]:
     """``{"baseline": title, "comparisons": [...]}`` for a report's ``groups`` (and the
     :class:`repro.tools.report.Job` objects of each, in ``members``): every other group against
     the ``baseline`` group (a title, or overrides and directories that name one group; the
     first group without it) on the baseline's headline metric and ``metrics``. ``sesoi``:
     the smallest effect of interest δ of the headline (else the baseline's config's
-    ``report.sesoi``, if any)."""
+    ``report.sesoi``, if any). ``aggregates``: also the bootstrap intervals of the medians,
+    IQMs and P(B > A) over seeds x samples (which describe, and decide nothing)."""
     if len(groups) < 2:
         if baseline:
             raise ReproError(
@@ -109,7 +114,7 @@ def compare_groups(
                     "loss only between configs that define it the same way"
                 )
             first = m == headline  # δ and the per-sample scores are the headline's
-            judge(c, members[b], members[i], delta if first else None, samples=first)
+            judge(c, members[b], members[i], delta if first else None, first, aggregates)
             out["comparisons"].append(c)
     # every test the report makes is one family: each group against the baseline, on the
     # headline and on every metric asked for (--metric), Holm-corrected together
@@ -134,11 +139,13 @@ def path(c: dict[str, Any]) -> str:
         return "the same to round-off (no test)"
     if not d:
         return "no test (no spread, or no value)"
-    if d.get("robust"):
-        return "P(B > A) and the sign test over seeds (a seed collapsed, or values not normal)"
+    if d.get("few_seeds"):
+        return f"no test (fewer than {stats.FEW_SEEDS} seeds a config)"
+    if d.get("no_verdict"):
+        return "no test (cross-validated, unpaired)"
     if not c.get("paired"):
         if d.get("by") == "seeds and samples":
-            return "seeds and samples, unpaired (two-level, Welch's seeds)"
+            return "seeds and samples, unpaired (two-level)"
         return "seeds, unpaired (Welch)"
     words = (
         "seeds and samples (two-level)"
@@ -147,12 +154,14 @@ def path(c: dict[str, Any]) -> str:
     )
     if d.get("folds_corrected"):
         words += ", corrected for folds (Nadeau-Bengio)"
+    if d.get("excluded"):
+        words += ", collapsed seeds left out"
     return words
 
 
 def _p(decision: dict[str, Any]) -> float | None:
-    """The p-value a decision rests on: the sign test's where a mean misleads."""
-    return (decision.get("robust") or decision).get("p_value")
+    """The p-value a decision rests on."""
+    return decision.get("p_value")
 
 
 def _sesoi(given: float | None, base: list[Any]) -> tuple[float | None, str]:
@@ -180,12 +189,14 @@ def judge(
     group: list[Any],
     delta: float | None = None,
     samples: bool = False,
+    aggregates: bool = True,
 ) -> None:
     """Add to the comparison ``c`` what decides its verdict (``decision``): with
     ``samples`` (the headline), the two-level interval where every paired job has its
     per-sample scores, else the seeds';
-    equivalence within ±``delta``; the seeds that collapsed; and, where those or the shape
-    of the per-seed values make a mean mislead, the medians, IQMs and P(B > A)."""
+    equivalence within ±``delta``; the seeds that collapsed (named, and left out of the
+    interval); no test below :data:`repro.tools.stats.FEW_SEEDS` seeds; and the medians,
+    IQMs, P(B > A) and the values' shape (:func:`_distribution`)."""
     from repro.records.sample_records import SampleScores
 
     seeds = c.get("seeds") or []
@@ -206,9 +217,16 @@ def judge(
     ]
     if "mean_diff" not in c or "ci95" not in c:
         return
+    seeds, a, b, basic, out = _without_collapsed(c, ok, seeds)
     decision: dict[str, Any] = {"by": "seeds"}
+    if out:
+        decision["excluded"] = len(out)
+        decision["seeds_only"] = {
+            k: basic.get(k) for k in ("mean_diff", "ci95", "p_value", "se", "df", "sd_diff")
+        }
+    fewest = len(seeds) if c["paired"] else min(len(a), len(b))
     level = None
-    if samples and (c["paired"] or not c.get("by_fold")):
+    if samples and fewest >= 2 and (c["paired"] or not c.get("by_fold")):
         if c["paired"]:
             level = _two_level(seeds, ok, SampleScores)
         else:  # other seeds, the same samples: the samples' part is still there
@@ -218,52 +236,101 @@ def judge(
         else:
             c["two_level"] = level
             decision["by"] = "seeds and samples"
-    source = c["two_level"] if decision["by"] == "seeds and samples" else c
+    source = c["two_level"] if decision["by"] == "seeds and samples" else basic
     decision.update({k: source.get(k) for k in ("mean_diff", "ci95", "p_value", "se", "df")})
+    decision["n"] = [len(a), len(b)] if not c["paired"] else len(seeds)
     _correct_for_folds(c, decision, seeds)
     se, df = decision["se"], decision["df"]
+    sd = basic.get("sd_diff")
+    fixed = (c.get("two_level") or {}).get("sample_var", 0.0)
+    images = min((c.get("two_level") or {}).get("samples") or [0]) or None
     if se:
         decision["resolvable"] = stats.resolvable(se, df)
     if delta is not None:
         decision["sesoi"] = delta
         if se:  # no spread: nothing to test equivalence against
             decision["tost"] = stats.tost(decision["mean_diff"], se, df, delta)
-        if c.get("sd_diff") is not None:
-            fixed = (c.get("two_level") or {}).get("sample_var", 0.0)
-            images = min((c.get("two_level") or {}).get("samples") or [0]) or None
-            decision["seeds_needed"] = stats.seeds_needed(
-                delta, c["sd_diff"], c["paired"], fixed, images
-            )
+        if sd is not None:
+            decision["seeds_needed"] = stats.seeds_needed(delta, sd, c["paired"], fixed, images)
             decision["samples_limit"] = stats.samples_limit(delta, fixed)
-    fewest = c["n"] if c["paired"] else min(c["n_baseline"], c["n_group"])
-    if fewest < stats.FEW_SEEDS:  # labelled: the test's error rates are not held
-        target = delta if delta is not None else abs(decision["mean_diff"])
-        fixed = (c.get("two_level") or {}).get("sample_var", 0.0)
-        images = min((c.get("two_level") or {}).get("samples") or [0]) or None
-        sd = c.get("sd_diff")
-        needed = stats.seeds_needed(target, sd, c["paired"], fixed, images) if sd else None
+    if fewest < stats.FEW_SEEDS:  # the seeds the observed spread needs
+        mean = decision.get("mean_diff")
+        target = delta if delta is not None else (abs(mean) if mean is not None else None)
+        needed = (
+            stats.seeds_needed(target, sd, c["paired"], fixed, images) if sd and target else None
+        )
         decision["few_seeds"] = {"seeds": fewest, "target": target, "seeds_needed": needed}
+    _no_test(c, decision, fewest, len(out))
+    decision["signs"] = basic.get("signs")
+    decision["distribution"] = _distribution(a, b, c["paired"])
+    if aggregates and decision["by"] == "seeds and samples" and not c.get("by_fold"):
+        decision["distribution"]["aggregates"] = _aggregates(seeds, ok, c["paired"])
+    c["decision"] = decision
+
+
+def _without_collapsed(
+    c: dict[str, Any], ok: dict[str, dict[Any, Any]], seeds: list[Any]
+) -> tuple[list[Any], list[float], list[float], dict[str, Any], set[Any]]:
+    """Leave the collapsed jobs (named in ``c["collapsed"]``) out of ``ok``: a collapse is a
+    failure, counted as one, not a value that swamps a mean (nor a reason to drop the
+    evaluation samples). The pairs left (paired), each side's values, the seeds' test of
+    those (``c`` itself where nothing collapsed), and the ``(side, key)`` left out."""
+    out = {
+        (x["side"], (x["seed"], x["fold"]) if "fold" in x else x["seed"]) for x in c["collapsed"]
+    }
+    for side in ok:
+        ok[side] = {k: j for k, j in ok[side].items() if (side, k) not in out}
     if c["paired"]:
+        seeds = [k for k in seeds if k in ok["baseline"] and k in ok["group"]]
         a = [ok["baseline"][k].summary[c["metric"]] for k in seeds]
         b = [ok["group"][k].summary[c["metric"]] for k in seeds]
+        return seeds, a, b, (stats.paired(a, b) if out else c), out
+    a = [j.summary[c["metric"]] for j in ok["baseline"].values()]
+    b = [j.summary[c["metric"]] for j in ok["group"].values()]
+    return seeds, a, b, (stats.welch(a, b) if out else c), out
+
+
+def _no_test(c: dict[str, Any], decision: dict[str, Any], fewest: int, excluded: int) -> None:
+    """Where the report makes no test, say why (``no_verdict``) and drop the interval:
+    fewer than :data:`repro.tools.stats.FEW_SEEDS` seeds a config (its error rates are not
+    held there), or cross-validated configs that cannot be paired (no correction for the
+    folds' shared training files applies)."""
+    if fewest < stats.FEW_SEEDS:
+        each = "(seed, fold) pairs" if c.get("by_fold") else "seeds a config"
+        left = f" left once the {excluded} collapsed jobs are out" if excluded else ""
+        decision["no_verdict"] = (
+            f"{fewest} {each}{left}, fewer than {stats.FEW_SEEDS}: a test's error rates are "
+            "not held there (with 2, one squared difference is its whole variance estimate)"
+        )
+    elif c.get("by_fold") and not decision.get("folds_corrected") and not c["paired"]:
+        decision["no_verdict"] = (
+            "cross-validated configs that share fewer than 2 (seed, fold) pairs: the folds' "
+            "shared training files make an unpaired interval too narrow, and no correction "
+            "applies; run both configs on the same seeds and folds"
+        )
+    if decision.get("no_verdict"):
+        for k in ("ci95", "p_value", "tost", "resolvable"):
+            decision.pop(k, None)
+
+
+def _distribution(a: list[float], b: list[float], paired: bool) -> dict[str, Any]:
+    """What a reviewer asks for beside the mean's interval: each side's median and
+    interquartile mean over its seeds, the per-seed values' shape (Shapiro-Wilk), and, paired,
+    the median difference and P(B > A) on a seed with its exact interval."""
+    out: dict[str, Any] = {
+        "baseline_median": statistics.median(a) if a else None,
+        "group_median": statistics.median(b) if b else None,
+        "baseline_iqm": stats.iqm(a) if a else None,
+        "group_iqm": stats.iqm(b) if b else None,
+    }
+    named = [("the baseline's values", a), ("the group's values", b)]
+    if paired:
         diffs = [y - x for x, y in zip(a, b, strict=True)]
-        why = [f"seed {x['seed']} of the {x['side']} collapsed" for x in c["collapsed"]]
-        why += [f"{name}: {reason}" for name, values in
-                (("the baseline's values", a), ("the group's values", b),
-                 ("the differences", diffs))
-                if (reason := stats.shape(values))]  # fmt: skip
-        if why:
-            decision["robust"] = {
-                "why": why,
-                "baseline_median": statistics.median(a),
-                "group_median": statistics.median(b),
-                "baseline_iqm": stats.iqm(a),
-                "group_iqm": stats.iqm(b),
-                "median_diff": statistics.median(diffs),
-                "improvement": stats.improvement(a, b),
-                "p_value": stats.signs(a, b)["p_value"],  # the sign test: what Holm adjusts
-            }
-    c["decision"] = decision
+        named.append(("the differences", diffs))
+        out["median_diff"] = statistics.median(diffs) if diffs else None
+        out["improvement"] = stats.improvement(a, b)
+    out["shape"] = [f"{name}: {why}" for name, values in named if (why := stats.shape(values))]
+    return out
 
 
 def _correct_for_folds(c: dict[str, Any], decision: dict[str, Any], seeds: list[Any]) -> None:
@@ -278,7 +345,7 @@ def _correct_for_folds(c: dict[str, Any], decision: dict[str, Any], seeds: list[
     if level:
         samples = level["samples"]
         got = stats.fold_corrected(
-            decision["mean_diff"], level["seed_var"], len(seeds), folds,
+            decision["mean_diff"], level["seed_var"] + level["interaction_var"], len(seeds), folds,
             level["sample_var"], sum(samples) - len(samples),
         )  # fmt: skip
     else:
@@ -327,6 +394,23 @@ def _two_level_unpaired(ok: dict[str, dict[Any, Any]], kind: type) -> dict | str
     ]
     tables = _score_tables(jobs, kind, "the other jobs compared")
     return tables if isinstance(tables, str) else stats.two_level_unpaired(*tables)
+
+
+def _aggregates(seeds: list[Any], ok: dict[str, dict[Any, Any]], paired: bool) -> dict | None:
+    """:func:`repro.tools.stats.robust_aggregates` of the jobs the two-level interval used
+    (the paired ``seeds``, or every job of each side)."""
+    from repro.records.sample_records import SampleScores
+
+    if paired:
+        jobs = [(side, k, ok[side][k]) for side in ("baseline", "group") for k in seeds]
+    else:
+        jobs = [
+            (side, k, job)
+            for side in ("baseline", "group")
+            for k, job in sorted(ok[side].items(), key=lambda kv: seed_order(kv[0]))
+        ]
+    tables = _score_tables(jobs, SampleScores, "the other jobs compared")
+    return None if isinstance(tables, str) else stats.robust_aggregates(*tables, paired=paired)
 
 
 def _two_level(seeds: list[Any], ok: dict[str, dict[Any, Any]], kind: type) -> dict | str:
@@ -515,16 +599,9 @@ def outcome(c: dict[str, Any]) -> str:
             return "higher" if up else "lower"
         return "better" if up == better else "worse"
 
-    robust = d.get("robust")
-    if robust:
-        imp = robust["improvement"]
-        held = (d.get("holm") or {}).get("p_value", 0.0) < stats.ALPHA  # Holm: the sign test
-        if imp["p"] is not None and imp["ci95"][0] > 0.5 and held:
-            return kind(True)
-        if imp["p"] is not None and imp["ci95"][1] < 0.5 and held:
-            return kind(False)
+    if d.get("no_verdict"):
         return "can't tell"
-    if c.get("p_value") is None and d["by"] == "seeds":
+    if d.get("p_value") is None:
         return "can't tell"
     holm = d.get("holm") or {}
     tost = d.get("tost")
@@ -538,43 +615,6 @@ def outcome(c: dict[str, Any]) -> str:
         beyond = delta is not None and (lo > delta or hi < -delta)
         return kind(d["mean_diff"] > 0) + (" by more than δ" if beyond else "")
     return "can't tell"
-
-
-def _robust_verdict(
-    robust: dict[str, Any],
-    decision: dict[str, Any],
-    kind: str,
-    mean: float,
-    how: str,
-    seeds: str,
-    word: Any,
-) -> str:
-    """The verdict where a mean misleads: P(B > A) and its exact interval decide (and,
-    with several groups, the sign test after Holm's correction). No δ: with a collapsed or
-    bimodal seed there is no "by more than δ" or "equivalent"."""
-    imp = robust["improvement"]
-    md = robust["median_diff"]
-    places = _decimals(md, mean)
-    because = "; ".join(robust["why"])
-    holm = decision.get("holm")
-    if imp["p"] is None:
-        lead = "can't tell: no seed differs"
-    else:
-        lo, hi = imp["ci95"]
-        odds = f"P(B > A) = {imp['p']:.2f} [{lo:.2f}, {hi:.2f}] over {imp['n']} {seeds}"
-        if kind != "can't tell":  # outcome(): the interval clears 0.5 (and Holm agrees)
-            lead = f"{word(lo > 0.5)}: {odds}"
-        elif lo <= 0.5 <= hi:
-            lead = f"can't tell: {odds} includes 0.5"
-        else:
-            lead = (
-                f"can't tell: {odds}, but the sign test is not significant after Holm's "
-                f"correction over {holm['comparisons']} comparisons (p = {holm['p_value']:.2g})"
-            )
-    return (
-        f"{lead}; median difference {_fmt(md, places)} ({how}); the medians lead because "
-        f"{because} -- the mean's interval would mislead"
-    )
 
 
 def _unresolved(c: dict[str, Any], decision: dict[str, Any], places: int) -> str:
@@ -609,10 +649,13 @@ def _sources(c: dict[str, Any], decision: dict[str, Any]) -> str:
     (and each one's share of the variance), or why the seeds alone."""
     if decision["by"] == "seeds and samples":
         level = c["two_level"]
-        share = level.get("seed_share")
+        shares = level.get("shares")
         text = f" x {'+'.join(map(str, level['samples']))} evaluation samples"
-        if share is not None:
-            text += f"; seeds {share:.0%} of the variance, samples {1 - share:.0%}"
+        if shares is not None:
+            text += (
+                f"; of the variance seeds {shares['seeds']:.0%}, samples {shares['samples']:.0%}, "
+                f"seed x sample {shares['seed_x_sample']:.0%}"
+            )
         return text
     if decision.get("why_seeds_only"):
         return f"; seeds only: {decision['why_seeds_only']}"
@@ -627,19 +670,21 @@ def verdict(c: dict[str, Any]) -> str:
     """The comparison in one sentence: better, worse, equivalent within ±δ or can't tell
     (see the module docstring), and on what it rests."""
     seeds = "(seed, fold) pairs" if c.get("by_fold") else "seeds"
-    how = (
-        f"paired over {c['n']} {seeds}"
-        if c["paired"]
-        else f"unpaired (Welch), {c['n_baseline']} and {c['n_group']} {seeds}"
-    )
+    n = (c.get("decision") or {}).get("n")
+    if c["paired"]:
+        how = f"paired over {c['n'] if n is None else n} {seeds}"
+    else:
+        na, nb = n or (c["n_baseline"], c["n_group"])
+        how = f"unpaired, {na} and {nb} {seeds}"
+    excluded = (c.get("decision") or {}).get("excluded")
+    if excluded:
+        how += f"; {excluded} collapsed job{'s' if excluded > 1 else ''} left out (named below)"
     folded = (c.get("decision") or {}).get("folds_corrected")
     if folded:
         how += (
             f"; widened for the {folded['folds']} folds' shared training files (corrected "
             f"resampled t-test, Nadeau and Bengio 2003: the seeds' part x {folded['factor']:.3g})"
         )
-    elif c.get("by_fold"):
-        how += "; folds share training files, so the interval is too narrow"
     prefix = "across environments: " if c.get("environment_differs") else ""
     if "mean_diff" not in c:
         side = "the baseline" if not c["n_baseline"] else "this group"
@@ -662,8 +707,9 @@ def verdict(c: dict[str, Any]) -> str:
         every = "every seed and fold" if c.get("by_fold") else "every seed"
         return f"{prefix}the same {c['metric']} for {every} ({how}{same})"
     decision = c.get("decision") or {"by": "seeds", **c}
-    robust = decision.get("robust")
-    if c.get("p_value") is None and decision["by"] == "seeds" and not robust:
+    if decision.get("no_verdict"):
+        return _no_verdict(c, decision, prefix, how)
+    if decision.get("p_value") is None and decision["by"] == "seeds":
         places = _decimals(d)
         return (
             f"{prefix}can't tell: {'higher' if d > 0 else 'lower'} by {abs(d):.{places}f} in "
@@ -678,39 +724,36 @@ def verdict(c: dict[str, Any]) -> str:
         return w
 
     kind = outcome(c)  # the rules; the sentence below only words them
-    return _few_seeds(c, decision, _worded(c, decision, kind, robust, prefix, how, seeds, word))
+    return _worded(c, decision, kind, prefix, how, seeds, word)
 
 
-def _few_seeds(c: dict[str, Any], decision: dict[str, Any], text: str) -> str:
-    """``text``, labelled when a config has fewer than :data:`repro.tools.stats.FEW_SEEDS`
-    seeds: how many seeds the observed spread needs for δ (else the observed difference)."""
-    few = decision.get("few_seeds")
-    if not few:
-        return text
-    label = (
-        f"; UNRELIABLE: {few['seeds']} seeds a config, fewer than {stats.FEW_SEEDS} (the "
-        "test's error rates are not held there)"
+def _no_verdict(c: dict[str, Any], decision: dict[str, Any], prefix: str, how: str) -> str:
+    """The sentence where no test is made (``decision["no_verdict"]`` says why): the
+    difference observed, and, with too few seeds, how many the observed spread needs for δ
+    (else for the observed difference)."""
+    mean = decision.get("mean_diff")
+    observed = "none left" if mean is None else f"{mean:+.{_decimals(mean)}f}"
+    text = (
+        f"{prefix}can't tell, no test: {decision['no_verdict']}; observed difference "
+        f"{observed} ({how})"
     )
-    if few["seeds_needed"] is not None:
+    few = decision.get("few_seeds")
+    if few and few["seeds_needed"] is not None:
         what = "δ" if decision.get("sesoi") is not None else "the observed difference"
-        label += f"; about {few['seeds_needed']} would resolve {what} at this spread"
-    return text + label
+        text += f"; about {few['seeds_needed']} seeds would resolve {what} at this spread"
+    return text
 
 
 def _worded(
     c: dict[str, Any],
     decision: dict[str, Any],
     kind: str,
-    robust: dict[str, Any] | None,
     prefix: str,
     how: str,
     seeds: str,
     word: Any,
 ) -> str:
     """The verdict's sentence for the decided ``kind`` (see :func:`verdict`)."""
-    d = c["mean_diff"]
-    if robust:
-        return prefix + _robust_verdict(robust, decision, kind, d, how, seeds, word)
     mean = decision["mean_diff"]
     lo, hi = decision["ci95"]
     places = _decimals(mean, lo, hi)
@@ -733,9 +776,9 @@ def _worded(
             f"{_fmt(b, places)}] lies inside ±{delta:g} (two one-sided tests; 95% interval "
             f"{interval}), {how}{trivial}"
         )
-    sign = c.get("signs")
+    sign = decision.get("signs")
     counted = (
-        f"; higher in {sign['higher']} of {c['n']} {seeds}, lower in {sign['lower']}"
+        f"; higher in {sign['higher']} of {decision['n']} {seeds}, lower in {sign['lower']}"
         + (f", the same in {sign['same']}" if sign["same"] else "")
         + f" (sign test p = {sign['p_value']:.2g})"
         if sign
@@ -927,13 +970,21 @@ def format_comparisons(report: dict[str, Any]) -> list[str]:
     for c in comparisons:
         lines.append(f"- **{c['group']}**, {c['metric']}: {c['verdict']}.")
         d = c.get("decision") or {}
-        robust = d.get("robust")
-        if robust:
-            lines.append(
-                f"  - medians {robust['baseline_median']:.4f} (baseline) and "
-                f"{robust['group_median']:.4f}; interquartile means {robust['baseline_iqm']:.4f} "
-                f"and {robust['group_iqm']:.4f}"
+        spread = d.get("distribution")
+        if spread and spread["baseline_median"] is not None and spread["group_median"] is not None:
+            line = (
+                f"  - medians {spread['baseline_median']:.4f} (baseline) and "
+                f"{spread['group_median']:.4f}; interquartile means {spread['baseline_iqm']:.4f} "
+                f"and {spread['group_iqm']:.4f}"
             )
+            imp = spread.get("improvement") or {}
+            if imp.get("p") is not None:
+                lo, hi = imp["ci95"]
+                line += f"; P(B > A) on a seed {imp['p']:.2f} [{lo:.2f}, {hi:.2f}] (exact)"
+            if spread["shape"]:
+                line += "; " + "; ".join(spread["shape"]) + ": read the medians beside the mean"
+            lines.append(line)
+            lines += _aggregate_lines(spread.get("aggregates"))
         for x in c.get("collapsed") or []:
             fold = f" fold {x['fold']}" if x.get("fold") is not None else ""
             lines.append(
@@ -957,12 +1008,63 @@ def format_comparisons(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _plot_profiles(
+    ax: Any, profiles: list[tuple[dict[str, Any], dict[str, Any]]], metric: str
+) -> None:
+    """The performance profiles (``robust_aggregates``' ``profile``) on ``ax``: the
+    baseline's once, each group's, each with its band."""
+    for i, (c, prof) in enumerate(profiles):
+        sides = (
+            (("baseline", c["baseline"]), ("group", c["group"]))
+            if i == 0
+            else (("group", c["group"]),)
+        )
+        for side, title in sides:
+            color = "black" if side == "baseline" else f"C{i}"
+            ax.plot(prof["tau"], prof[side]["share"], color=color, lw=1.2, label=title[:40])
+            lo, hi = prof[side]["ci95"]
+            ax.fill_between(prof["tau"], lo, hi, color=color, alpha=0.15, lw=0)
+    ax.set_xlabel(f"threshold τ (a sample's {metric})")
+    ax.set_ylabel("share of (seed, sample) scores ≥ τ")
+    ax.set_title("performance profile (95% band: seeds, samples)", fontsize=9)
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def _aggregate_lines(agg: dict[str, Any] | None) -> list[str]:
+    """The median, IQM and P(B > A) over seeds x samples with their bootstrap intervals."""
+    if not agg:
+        return []
+
+    def ci(entry: dict[str, Any], places: int = 4) -> str:
+        if entry["ci95"] is None:
+            return f"{entry['value']:.{places}f}"
+        lo, hi = entry["ci95"]
+        return f"{entry['value']:.{places}f} [{lo:.{places}f}, {hi:.{places}f}]"
+
+    worst = max(
+        (e["mc_error"] for e in agg.values() if isinstance(e, dict) and e.get("mc_error")),
+        default=0.0,
+    )
+    return [
+        f"  - over seeds x samples (each sample's score; bootstrap of seeds and samples together, "
+        f"{agg['draws']} draws, Monte-Carlo error of an end ≤ {worst:.2g}): median "
+        f"{ci(agg['baseline_median'])} → {ci(agg['group_median'])}, difference "
+        f"{ci(agg['median_diff'])}; interquartile mean {ci(agg['baseline_iqm'])} → "
+        f"{ci(agg['group_iqm'])}, difference {ci(agg['iqm_diff'])}; P(B > A) on a sample "
+        f"{ci(agg['improvement'], 2)}"
+    ]
+
+
 def plot_comparison(report: dict[str, Any], out_dir: Path) -> str | None:
     """``comparison.png``, drawn to be read right. Left: each group's seed values of the
     headline, lines joining a seed across groups, collapsed seeds as red crosses, the axis
     from 0 for a metric in [0, 1] (so that a small difference looks small). Right: each
     group's per-seed differences from the baseline, the deciding 95% interval beside them,
-    zero and ±δ marked."""
+    zero and ±δ marked. Third, where the headline's per-sample scores were compared: the
+    performance profile -- the share of (seed, sample) scores at or above each threshold,
+    each config with its 95% bootstrap band over seeds and samples."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -976,8 +1078,16 @@ def plot_comparison(report: dict[str, Any], out_dir: Path) -> str | None:
     groups = [g for g in report["groups"] if metric in g["metrics"]]
     first = next(i for i, g in enumerate(groups) if g["title"] == report["baseline"])
     groups.insert(0, groups.pop(first))  # the baseline at the left
-    width = max(8.0, 1.6 * (len(groups) + len(shown)) + 3)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(width, 4.4))
+    profiles = [
+        (c, agg["profile"])
+        for c in shown
+        if (agg := ((c.get("decision") or {}).get("distribution") or {}).get("aggregates"))
+    ]
+    width = max(8.0, 1.6 * (len(groups) + len(shown)) + 3) + (4.5 if profiles else 0.0)
+    fig, axes = plt.subplots(1, 3 if profiles else 2, figsize=(width, 4.4))
+    left, right = axes[0], axes[1]
+    if profiles:
+        _plot_profiles(axes[2], profiles, metric)
     by_seed: dict[Any, list[tuple[int, float]]] = {}
     everything: list[float] = []
     for x, g in enumerate(groups):

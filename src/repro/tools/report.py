@@ -436,6 +436,10 @@ def _metric_stats(ok: list[Job], m: str, headline: bool) -> dict[str, Any]:
         lo, hi = bounds
         stats["ci95"] = [max(stats["ci95"][0], lo), min(stats["ci95"][1], hi)]
         stats["bounds"] = bounds
+    if headline and "ci95" in stats and not stats.get("count"):
+        level = _config_interval(ok, bounds)
+        if level is not None:
+            stats["two_level"] = level
     stats["shape"] = shape(values)  # bimodal or heavy-tailed: the median leads
     stats["outliers"] = outliers(ok, m, stats)
     stats["left_out"] = _left_out(ok, m)
@@ -451,6 +455,33 @@ def _metric_stats(ok: list[Job], m: str, headline: bool) -> dict[str, Any]:
             if j.never_predicted and not j.collapsed
         ]
     return stats
+
+
+def _config_interval(ok: list[Job], bounds: Any) -> dict[str, Any] | None:
+    """The headline's interval over seeds *and* evaluation samples
+    (:func:`repro.tools.stats.config_interval`) where every finished job scored the same
+    samples, else None (the seeds' interval stands alone)."""
+    import numpy as np
+
+    from repro.records.sample_records import SampleScores
+    from repro.tools.stats import config_interval
+
+    rows = []
+    names = None
+    for j in ok:
+        if not isinstance(j.scores, SampleScores):
+            return None
+        if names is None:
+            names, columns = sorted(j.scores.names), j.scores.columns
+        elif sorted(j.scores.names) != names or j.scores.columns != columns:
+            return None
+        row = dict(zip(j.scores.names, j.scores.values, strict=True))
+        rows.append([row[n] for n in names])
+    if len(rows) < 2 or not names or len(names) < 2:
+        return None
+    got = config_interval(np.array(rows, float), tuple(bounds) if bounds else None)
+    keep = ("mean", "ci95", "se", "df", "seed_var", "sample_var", "interaction_var", "shares")
+    return {k: got[k] for k in keep} | {"samples": len(names)}
 
 
 def _read_samples(jobs: list[Job]) -> None:
@@ -589,6 +620,14 @@ def _metric_lines(m: str, s: dict[str, Any]) -> list[str]:
             f"max {s['max']:.4f}; 95% CI of the mean [{s['ci95'][0]:.4f}, "
             f"{s['ci95'][1]:.4f}] (Student t, n={s['n']}, df={s['df']}, t={s['t']:.3f}){kept}"
         )
+        level = s.get("two_level")
+        if level:
+            lo, hi = level["ci95"]
+            lines.append(
+                f"  - over seeds *and* evaluation samples (the next seeds on another "
+                f"{level['samples']} samples drawn alike): 95% CI [{lo:.4f}, {hi:.4f}] "
+                f"(df={level['df']:.1f}); the interval above holds this validation set fixed"
+            )
     for x in s.get("collapsed") or []:
         lines.append(f"  - **collapsed**: {_seed_fold(x)} ({x['job']}): {x['why']}")
     for x in s.get("never_predicted") or []:

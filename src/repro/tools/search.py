@@ -260,7 +260,7 @@ def confirmation(report: dict[str, Any]) -> dict[str, Any]:
     """Whether the search's best-ranked trial that ran is confirmed: better than every other
     re-run trial (by more than δ where δ is given), by the report's verdicts on the
     headline; else which trials it is equivalent to, cannot be told apart from, or loses
-    to. A verdict the report labels unreliable (fewer than 3 seeds a trial) confirms
+    to. A comparison the report makes no test of (fewer than 3 seeds a trial) confirms
     nothing: it counts as can't tell."""
     headline = report["search"]["headline"]
     delta = (report.get("sesoi") or {}).get("delta")
@@ -274,7 +274,7 @@ def confirmation(report: dict[str, Any]) -> dict[str, Any]:
         if c["metric"] != headline:
             continue
         kind = c.get("outcome", "can't tell")
-        if (c.get("decision") or {}).get("few_seeds"):  # labelled unreliable: not consumed
+        if (c.get("decision") or {}).get("no_verdict"):  # no test (too few seeds): not consumed
             kind = "can't tell"
         # the comparison is trial - best: the best is confirmed where the trial is worse
         if kind == "worse by more than δ" or (kind == "worse" and delta is None):

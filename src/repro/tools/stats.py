@@ -3,16 +3,19 @@
 SciPy gives the distributions and the tests (Student's t, the paired and Welch t-tests, the
 sign test, Shapiro-Wilk, the binomial interval). This module keeps what SciPy lacks:
 
-- :func:`two_level`: the **paired two-level interval** -- the seeds both configs ran (the
-  paired t-test's variance) and the evaluation samples both scored (matched by name: each
-  sample's influence on the mean difference, the limit of a bootstrap of the samples),
-  folds as strata -- whose standard error, split into its seed and its sample parts,
-  gives a t interval (Satterthwaite's degrees of freedom). With the samples held fixed it
-  is the paired t-test exactly.
+- :func:`two_level`: the **paired two-level interval** -- over the seeds both configs ran
+  and the evaluation samples both scored (matched by name; folds as strata): the variance
+  of the mean difference decomposed as a crossed random-effects model of seeds x samples
+  (method of moments: seeds, samples and seed-by-sample parts, the last counted once),
+  each sample entering by its influence on its seed's headline (the delta method: a
+  bootstrap of the samples' limit); a t interval with Satterthwaite's degrees of freedom.
+  With the samples held fixed it is the paired t-test exactly.
+  :func:`two_level_unpaired` is the same for configs that ran other seeds but scored the
+  same samples; :func:`config_interval` for one config's headline.
 - :func:`tost`: equivalence within ±δ (two one-sided tests: the 90% interval inside ±δ).
 - :func:`holm`: Holm's step-down correction for several groups against one baseline.
 - :func:`improvement`: the probability that the group beats the baseline on a seed, with
-  its exact (Clopper-Pearson) interval -- what a collapsed seed cannot swamp.
+  its exact (Clopper-Pearson) interval.
 - :func:`seeds_needed` and :func:`resolvable`: the seeds a smallest effect needs, and the
   smallest effect the seeds at hand resolve, at 80% power.
 
@@ -142,10 +145,10 @@ def correlation(a: list[float], b: list[float]) -> float | None:
     return float(_scipy_stats().pearsonr(a, b).statistic)
 
 
-# Fewer seeds a config than this: a verdict is labelled unreliable. With 2 seeds the paired
+# Fewer seeds a config than this: no test (no interval, no verdict). With 2 seeds the paired
 # test has 1 degree of freedom, its variance estimate is one squared difference, and the
 # false-positive rate measured by simulation was 7.6-9% at a nominal 5% where seeds carry
-# about half the variance (issue statistics' error rates).
+# about half the variance.
 FEW_SEEDS = 3
 # Differences of at most this many units in the last place of the values compared are
 # round-off, not spread: a metric summed in another order (another reduction, another
@@ -359,25 +362,6 @@ def headline(scores: np.ndarray, weights: np.ndarray | None = None) -> np.ndarra
     )
 
 
-def _sample_variance(s: Stratum) -> float:
-    """The variance of a stratum's mean difference that comes from which samples were
-    evaluated: the samples' variance over n of each sample's influence on the mean over
-    seeds of ``headline(group) - headline(baseline)`` (the same samples for both configs and
-    every seed, so what they share cancels). The influence of sample i on a component's
-    mean over the samples where it is scored, ``R_k = sum_i x_ik / sum_i p_ik``, is
-    ``(x_ik - R_k p_ik) / mean_i p_ik``, averaged over the components each seed scores: the
-    linearisation of the headline (the delta method), which is what a bootstrap of the
-    samples converges to (its infinitely many draws) -- exactly, where the headline is the
-    samples' plain mean -- without Monte-Carlo error and in time linear in seeds x samples
-    x components. 0 with one sample."""
-    n = s.baseline.shape[1]
-    if n < 2:
-        return 0.0
-    column = influence(s.group).mean(axis=0) - influence(s.baseline).mean(axis=0)
-    column = column[np.isfinite(column)]  # each sample's, over the seeds
-    return float(np.var(column, ddof=1)) / n if len(column) > 1 else 0.0
-
-
 def influence(x: np.ndarray) -> np.ndarray:
     """Each sample's influence on each seed's headline (``seeds x samples``) from the
     per-sample scores ``x[seed, sample, component]`` (NaN: not scored): see
@@ -392,67 +376,325 @@ def influence(x: np.ndarray) -> np.ndarray:
         return np.nansum(each, axis=2) / scored
 
 
+def _sample_piece(phi: np.ndarray) -> float:
+    """The samples' raw piece of a mean's variance from their influences ``phi`` (``seeds x
+    samples``): each sample's mean influence over the seeds, its variance over N. It is
+    what a bootstrap of the samples (the same draws for every seed) converges to -- exactly,
+    where the headline is the samples' plain mean -- and it holds the seed-by-sample noise
+    once. 0 below 2 samples."""
+    n = phi.shape[1]
+    return float(np.var(phi.mean(axis=0), ddof=1)) / n if n > 1 else 0.0
+
+
+def _interaction(phi: np.ndarray) -> float:
+    """The seed-by-sample mean square of the influences ``phi`` (``seeds x samples``, each
+    row summing to about 0): the residual of the crossed two-way decomposition, ``sum (phi
+    - its sample's mean over seeds)^2 / ((S - 1)(N - 1))`` -- how much a sample's score moves
+    from seed to seed beyond the seeds' and the samples' own effects. 0 below 2 x 2."""
+    s, n = phi.shape
+    if s < 2 or n < 2:
+        return 0.0
+    resid = phi - phi.mean(axis=0, keepdims=True)
+    resid -= resid.mean(axis=1, keepdims=True)
+    return float(np.sum(resid**2)) / ((s - 1) * (n - 1))
+
+
+FLOOR_SEED_DF = (
+    4  # the seeds' degrees of freedom from which a floored total takes the interaction's
+)
+
+
+def _crossed(
+    mean_diff: float,
+    seeds: list[tuple[float, float, int]],
+    samples: tuple[float, int],
+    interaction: list[float],
+) -> dict[str, Any]:
+    """The t test of ``mean_diff`` from the raw pieces of a crossed seeds x samples
+    decomposition (each a variance of the mean): ``seeds``, one ``(raw, its seed-by-sample
+    part, df)`` per config (the per-seed values' variance over S, which holds the
+    seed-by-sample noise once); ``samples``, ``(raw, df)`` (each sample's influence's
+    variance over N, which holds every config's seed-by-sample noise once); and
+    ``interaction``, each config's seed-by-sample part ``MS_e / (S N)``.
+
+    The total, ``sum seeds + samples - sum interaction``, is the method of moments'
+    unbiased estimate (the seed-by-sample noise counted once), floored at the interaction
+    (every component is >= 0; below :data:`FLOOR_SEED_DF` the degrees of freedom stay the
+    unfloored combination's). The components -- seeds ``raw - part``, samples ``raw - sum
+    parts``, seed-by-sample ``sum parts`` -- are clamped at 0 for the shares. The degrees of
+    freedom are Satterthwaite's for the total's combination of mean squares, the
+    interaction's with a negative sign (fewer, so a wider interval, where the seeds' or the
+    samples' own part is small: the price of counting the seed-by-sample noise once)."""
+    inter = sum(interaction)
+    seed_parts = [(max(raw - part, 0.0), df) for raw, part, df in seeds]
+    sample_part = (max(samples[0] - inter, 0.0), samples[1])
+    inter_parts = [(v, df * samples[1]) for v, (_, _, df) in zip(interaction, seeds, strict=True)]
+    total = sum(raw for raw, _, _ in seeds) + samples[0] - inter
+    # (value, df) of each raw piece with its sign in the total
+    terms = [(raw, df) for raw, _, df in seeds] + [samples] + [(-v, d) for v, d in inter_parts]
+    # every component is >= 0: the total is at least the interaction's. With few seeds the
+    # degrees of freedom stay the unbiased combination's -- a seeds' part estimated as 0 from
+    # 2 or 3 degrees of freedom is not known to be 0 (the interaction's many instead gave
+    # 7.3% false positives at a nominal 5% with 3 seeds, 5.4% with 4, by simulation); from
+    # FLOOR_SEED_DF on, the interaction's (5.2% with 5 seeds; the combination's there is
+    # needlessly wide where the seed-by-sample noise dominates: 98% coverage)
+    if total < inter:
+        total = inter
+        if min(df for _, _, df in seeds) >= FLOOR_SEED_DF:
+            terms = inter_parts
+    den = sum(v**2 / df for v, df in terms if v and df > 0)
+    df = total**2 / den if den > 0 else max(1.0, float(sum(d for _, d in terms)))
+    out = _test(mean_diff, math.sqrt(total), max(1.0, df))
+    components = {
+        "seeds": sum(v for v, _ in seed_parts),
+        "samples": sample_part[0],
+        "seed_x_sample": inter,
+    }
+    out["components"] = components
+    clamped = sum(components.values())
+    out["shares"] = {k: v / clamped for k, v in components.items()} if clamped > 0 else None
+    return out
+
+
 def two_level_unpaired(baseline: np.ndarray, group: np.ndarray) -> dict[str, Any]:
     """The two-level interval of ``group - baseline`` when the configs ran other seeds
     (``baseline[seed, sample, component]``, ``group[seed', sample, component]``) but scored
-    the same samples: the seeds' part Welch's (each config's per-seed headlines' variance
-    over its seeds), the samples' part as :func:`two_level`'s (each sample's influence on
-    the difference of the two configs' means over their seeds, its variance over n); a t
-    interval with Satterthwaite's degrees of freedom. Like the paired one, it counts the
-    seed-by-sample noise in both parts (wide, never narrow)."""
+    the same samples: the crossed decomposition of :func:`two_level` with each config's own
+    seeds and seed-by-sample noise and the samples' part of the difference the two share.
+
+    Components (each a variance of the mean difference): each config's seeds', ``var(H)/S
+    - MS_e/(S N)``; the samples', ``var_i(c_i)/N - sum MS_e/(S N)`` where ``c_i`` is sample
+    i's influence on the difference of the configs' means over their seeds; each config's
+    seed-by-sample, ``MS_e/(S N)``. Negative estimates clamp at 0. A t interval with
+    Satterthwaite's degrees of freedom."""
     a, b = headline(baseline), headline(group)
-    na, nb, n = len(a), len(b), baseline.shape[1]
+    na, nb = len(a), len(b)
     mean_diff = float(np.mean(b) - np.mean(a))
-    va = float(np.var(a, ddof=1)) / na if na > 1 else 0.0
-    vb = float(np.var(b, ddof=1)) / nb if nb > 1 else 0.0
-    column = influence(group).mean(axis=0) - influence(baseline).mean(axis=0)
-    column = column[np.isfinite(column)]
-    v_sample = float(np.var(column, ddof=1)) / n if len(column) > 1 else 0.0
-    total = va + vb + v_sample
-    out = {
+    pa, pb = influence(baseline), influence(group)
+    keep = np.isfinite(pa).all(axis=0) & np.isfinite(pb).all(axis=0)  # scored by every seed
+    pa, pb = pa[:, keep], pb[:, keep]
+    n = pa.shape[1]
+    ia = _interaction(pa) / (na * n) if n else 0.0
+    ib = _interaction(pb) / (nb * n) if n else 0.0
+    got = _crossed(
+        mean_diff,
+        [
+            (float(np.var(a, ddof=1)) / na if na > 1 else 0.0, ia, na - 1),
+            (float(np.var(b, ddof=1)) / nb if nb > 1 else 0.0, ib, nb - 1),
+        ],
+        (_sample_piece(pb - pa.mean(axis=0)), n - 1),
+        [ia, ib],
+    )
+    return _level(got, mean_diff, [int(n)])
+
+
+def _level(got: dict[str, Any], mean_diff: float, samples: list[int]) -> dict[str, Any]:
+    """A two-level result's fields: the components' variances and shares by name."""
+    comp, shares = got.pop("components"), got.pop("shares")
+    return {
         "mean_diff": mean_diff,
-        "seed_var": va + vb,
-        "sample_var": v_sample,
-        "seed_share": (va + vb) / total if total > 0 else None,
-        "samples": [int(n)],
-        "sample_method": "delta",
+        "seed_var": comp["seeds"],
+        "sample_var": comp["samples"],
+        "interaction_var": comp["seed_x_sample"],
+        "shares": shares,
+        "seed_share": None if shares is None else shares["seeds"],
+        "samples": samples,
+        "sample_method": "delta",  # the samples' influence: a bootstrap's limit, exactly
+        "decomposition": "crossed",  # seeds x samples, method of moments
+        **got,
     }
-    df = _satterthwaite([va, vb, v_sample], [na - 1, nb - 1, n - 1])
-    out.update(_test(mean_diff, math.sqrt(total), df))
-    return out
 
 
 def two_level(strata: list[Stratum]) -> dict[str, Any]:
     """The paired two-level interval of ``group - baseline`` over seeds and evaluation
     samples (folds as strata; the difference is the mean over every (seed, fold) pair).
 
-    The seed part of the variance is the paired t-test's over every (seed, fold) pair: the
-    per-pair differences' variance over the pairs (so fold-to-fold differences count as
-    seed-to-seed ones do). The sample part is the evaluation samples' (:func:`_sample_variance`:
-    each sample's influence on the mean difference over the seeds -- the limit of a
-    bootstrap of the samples, the same draws for both configs and every seed -- its
-    variance over n), fold by fold. The sum counts the seed-by-sample noise twice (a little
-    wide, never narrow); the interval is a t interval with Satterthwaite's degrees of
-    freedom. With one sample (or none varying) it is the paired t-test exactly."""
+    The variance of the mean difference is decomposed as a crossed random-effects model of
+    seeds x samples (method of moments): a pair's difference on sample i is ``mu + a_s +
+    b_i + e_si`` and the mean's variance ``var(a)/S + var(b)/N + var(e)/(S N)``. Each
+    sample's value enters by its influence on its seed's headline (:func:`influence`: the
+    delta method, exact for a plain mean; what a bootstrap of the samples converges to), so
+    a mean over classes or a ratio of sums is decomposed as a plain mean is. The raw pieces
+    -- the per-pair differences' variance over the pairs (every (seed, fold) pair, so fold
+    differences count as seed ones), each sample's mean influence's variance over the
+    samples, and the seed-by-sample residual mean square :func:`_interaction` -- each hold
+    the seed-by-sample noise once; it is subtracted from the first two and counted once
+    (:func:`_crossed`). The interval is a t interval with
+    Satterthwaite's degrees of freedom. With one sample (or none varying) it is the paired
+    t-test exactly."""
     pairs = sum(s.baseline.shape[0] for s in strata)
     per_seed: list[float] = []
     for s in strata:
         per_seed.extend((headline(s.group) - headline(s.baseline)).tolist())
     mean_diff = statistics.fmean(per_seed)
-    v_seed = statistics.variance(per_seed) / pairs if pairs > 1 else 0.0
-    parts, dfs = [v_seed], [pairs - 1]
+    sample_raw, interaction, sample_df = 0.0, [], 0
     for s in strata:
-        parts.append((s.baseline.shape[0] / pairs) ** 2 * _sample_variance(s))
-        dfs.append(s.baseline.shape[1] - 1)
-    v_sample = sum(parts[1:])
-    out = {
-        "mean_diff": mean_diff,
-        "per_seed": per_seed,
-        "seed_var": v_seed,
-        "sample_var": v_sample,
-        "seed_share": v_seed / (v_seed + v_sample) if v_seed + v_sample > 0 else None,
-        "samples": [int(s.baseline.shape[1]) for s in strata],
-        "sample_method": "delta",  # the samples' influence: a bootstrap's limit, exactly
+        weight = (s.baseline.shape[0] / pairs) ** 2
+        phi = influence(s.group) - influence(s.baseline)
+        phi = phi[:, np.isfinite(phi).all(axis=0)]  # the samples every seed scores
+        seeds, n = phi.shape
+        if n > 1:
+            sample_raw += weight * _sample_piece(phi)
+            interaction.append(weight * _interaction(phi) / (seeds * n))
+        sample_df += n - 1
+    inter = sum(interaction)
+    seed_raw = statistics.variance(per_seed) / pairs if pairs > 1 else 0.0
+    got = _crossed(
+        mean_diff,
+        [(seed_raw, inter, pairs - 1)],
+        (sample_raw, max(sample_df, 0)),
+        [inter],
+    )
+    out = _level(got, mean_diff, [int(s.baseline.shape[1]) for s in strata])
+    out["per_seed"] = per_seed
+    return out
+
+
+def config_interval(
+    scores: np.ndarray, bounds: tuple[float, float] | None = None
+) -> dict[str, Any]:
+    """The 95% interval of one config's expected headline over new seeds *and* new
+    evaluation samples drawn as these were, from its per-sample scores ``scores[seed,
+    sample, component]`` (the same samples for every seed): :func:`two_level`'s crossed
+    decomposition with one side (a seeds-only interval is conditional on this validation
+    set). Kept inside ``bounds`` (a Dice's [0, 1]) where given."""
+    h = headline(scores)
+    s = len(h)
+    mean = float(np.mean(h))
+    phi = influence(scores)
+    phi = phi[:, np.isfinite(phi).all(axis=0)]
+    n = phi.shape[1]
+    inter = _interaction(phi) / (s * n) if n else 0.0
+    got = _crossed(
+        mean,
+        [(float(np.var(h, ddof=1)) / s if s > 1 else 0.0, inter, s - 1)],
+        (_sample_piece(phi), n - 1),
+        [inter],
+    )
+    out = _level(got, mean, [int(n)])
+    if bounds is not None:
+        lo, hi = out["ci95"]
+        out["ci95"] = [max(lo, bounds[0]), min(hi, bounds[1])]
+    out["mean"] = out.pop("mean_diff")
+    return out
+
+
+BOOTSTRAP_DRAWS = 2000  # of robust_aggregates; fewer for large tables (its work is capped)
+_BOOTSTRAP_WORK = 20_000_000  # values drawn in all, at most (then at least _BOOTSTRAP_MIN draws)
+PROFILE_POINTS = 51  # thresholds of the performance profile
+_BOOTSTRAP_MIN = 50  # draws however large the table (its Monte-Carlo error says so)
+
+
+def per_sample_headline(x: np.ndarray) -> np.ndarray:
+    """Each sample's own headline (``seeds x samples``) from the per-sample scores
+    ``x[seed, sample, component]``: the mean over the components it is scored for (NaN
+    where none)."""
+    present = np.isfinite(x)
+    count = present.sum(axis=2)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(present, x, 0.0).sum(axis=2) / np.where(count > 0, count, np.nan)
+
+
+def _median_iqm(values: np.ndarray) -> tuple[float, float]:
+    """The median and the interquartile mean (:func:`iqm`) of ``values``' finite entries,
+    by partition (linear time)."""
+    x = values[np.isfinite(values)]
+    n = len(x)
+    if n == 0:
+        return math.nan, math.nan
+    lo, hi = n / 4.0, 3.0 * n / 4.0
+    a, b = math.floor(lo), min(math.ceil(hi), n) - 1
+    kth = sorted({a, b, (n - 1) // 2, n // 2})
+    part = np.partition(x, kth)
+    median = float((part[(n - 1) // 2] + part[n // 2]) / 2.0)
+    inner = part[a + 1 : b].sum() if b > a + 1 else 0.0
+    if a == b:
+        total = part[a] * (hi - lo)
+    else:
+        total = inner + part[a] * (a + 1 - lo) + part[b] * (hi - b)
+    return median, float(total / (hi - lo))
+
+
+def _percentile_ci(draws: np.ndarray) -> dict[str, Any]:
+    """The 95% percentile interval of bootstrap ``draws`` and its Monte-Carlo error: half
+    the spread of the order statistics whose ranks a binomial puts within 1.96 SD of each
+    end's rank, over 1.96 (the endpoints' standard error from the draws' count)."""
+    x = np.sort(draws[np.isfinite(draws)])
+    b = len(x)
+    if b < 2:
+        return {"ci95": None, "mc_error": None, "draws": b}
+    ends, errors = [], []
+    for p in (ALPHA / 2, 1 - ALPHA / 2):
+        ends.append(float(np.quantile(x, p)))
+        spread = 1.96 * math.sqrt(b * p * (1 - p))
+        lo, hi = int(max(0, math.floor(b * p - spread))), int(min(b - 1, math.ceil(b * p + spread)))
+        errors.append(float(x[hi] - x[lo]) / (2 * 1.96))
+    return {"ci95": ends, "mc_error": max(errors), "draws": b}
+
+
+def robust_aggregates(
+    baseline: np.ndarray, group: np.ndarray, paired: bool, key: int = 0
+) -> dict[str, Any]:
+    """The median and interquartile mean of each config's per-(seed, sample) scores
+    (:func:`per_sample_headline`) and of their difference, each with a 95% interval from a
+    bootstrap that resamples the seeds and the samples together (the same sample draws for
+    both configs, and the same seed draws where ``paired``; rliable's stratified bootstrap
+    with the samples as its tasks, plus the samples' own draw); and P(B > A), the chance
+    that the group's score on a sample beats the baseline's on a seed pair, averaged over
+    the samples (rliable's probability of improvement; ties count a half), with its
+    interval; and the performance profile -- the share of (seed, sample) scores at or above
+    each threshold tau, with its pointwise band (rliable's score distribution). Keyed by
+    ``key``: the same runs give the same report. The draws are capped
+    (:data:`BOOTSTRAP_DRAWS`, fewer for very large tables) and each endpoint's Monte-Carlo
+    error is reported."""
+    a, b = per_sample_headline(baseline), per_sample_headline(group)
+    sa, n = a.shape
+    sb = b.shape[0]
+    rng = np.random.default_rng([key, sa, sb, n])
+    draws = int(min(BOOTSTRAP_DRAWS, max(_BOOTSTRAP_MIN, _BOOTSTRAP_WORK // ((sa + sb) * n))))
+
+    def improvement(x: np.ndarray, y: np.ndarray) -> float:
+        if paired:
+            wins = (y > x) + 0.5 * (y == x)
+            return float(np.nanmean(wins))
+        wins = (y[:, None, :] > x[None, :, :]) + 0.5 * (y[:, None, :] == x[None, :, :])
+        return float(np.nanmean(wins))
+
+    def stat(x: np.ndarray, y: np.ndarray) -> list[float]:
+        ma, qa = _median_iqm(x.ravel())
+        mb, qb = _median_iqm(y.ravel())
+        return [ma, qa, mb, qb, mb - ma, qb - qa, improvement(x, y)]
+
+    finite = np.concatenate([a[np.isfinite(a)], b[np.isfinite(b)]])
+    lo, hi = (float(finite.min()), float(finite.max())) if len(finite) else (0.0, 1.0)
+    tau = np.linspace(lo, hi, PROFILE_POINTS)
+
+    def profile(x: np.ndarray) -> np.ndarray:  # the share of scores >= each tau
+        v = x[np.isfinite(x)]
+        counts = np.histogram(v, bins=np.append(tau, np.inf))[0]
+        return np.cumsum(counts[::-1])[::-1] / max(len(v), 1)
+
+    point = stat(a, b)
+    boot = np.empty((draws, len(point)))
+    curves = np.empty((draws, 2, PROFILE_POINTS))
+    for d in range(draws):
+        images = rng.integers(0, n, n)
+        rows_a = rng.integers(0, sa, sa)
+        rows_b = rows_a if paired else rng.integers(0, sb, sb)
+        x, y = a[np.ix_(rows_a, images)], b[np.ix_(rows_b, images)]
+        boot[d] = stat(x, y)
+        curves[d] = profile(x), profile(y)
+    names = ["baseline_median", "baseline_iqm", "group_median", "group_iqm",
+             "median_diff", "iqm_diff", "improvement"]  # fmt: skip
+    out: dict[str, Any] = {"draws": draws, "resampled": "seeds and samples", "key": key}
+    for i, name in enumerate(names):
+        out[name] = {"value": point[i], **_percentile_ci(boot[:, i])}
+    band = np.quantile(curves, [ALPHA / 2, 1 - ALPHA / 2], axis=0)  # 2 x 2 x points
+    out["profile"] = {
+        "tau": tau.tolist(),
+        **{
+            side: {"share": profile(x).tolist(), "ci95": [band[0, k].tolist(), band[1, k].tolist()]}
+            for k, (side, x) in enumerate((("baseline", a), ("group", b)))
+        },
     }
-    out.update(_test(mean_diff, math.sqrt(v_seed + v_sample), _satterthwaite(parts, dfs)))
     return out
