@@ -156,6 +156,38 @@ def test_confirm_takes_a_search_launched_with_run_control_keys(tmp_path):
         check_the_config_repeats(trials[0])
 
 
+def test_a_cross_validated_searchs_folds_are_replicates_not_trials(tmp_path):
+    """A search over data.fold=0,1,2 x two learning rates: its top trials are the 2 configs,
+    each pooled over its 3 folds (not 6 trials, one a fold), ranked by the mean over them;
+    its config check composes each job's own fold (confirm re-runs every fold: Trial.folds)."""
+    from omegaconf import OmegaConf
+
+    from repro.defense.config import compose
+    from repro.tools.search import check_the_config_repeats, top_trials
+
+    num = 0
+    for lr, level in (("0.05", 0.6), ("0.1", 0.5)):
+        for fold in range(3):
+            job = tmp_path / f"{num}_seed=0"
+            (job / ".hydra").mkdir(parents=True)
+            data = ["data=image_folder", f"data.path={tmp_path}", "data.folds=3"]
+            folds = [*data, f"data.fold={fold}"]
+            overrides = ["hparams_search=convnet", f"optim.lr={lr}", *folds]
+            (job / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(overrides))
+            config = compose([f"optim.lr={lr}", *folds])
+            (job / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(config))
+            value = level + (0.3 if (lr, fold) == ("0.1", 2) else 0.0)  # one lucky fold
+            summary = {"headline": "val_accuracy", "val_accuracy": value}
+            (job / "summary.json").write_text(json.dumps(summary))
+            num += 1
+    trials, _, _ = top_trials(tmp_path, 3)
+    assert [t.overrides for t in trials] == [["optim.lr=0.05", *data], ["optim.lr=0.1", *data]]
+    assert [t.folds for t in trials] == [[0, 1, 2], [0, 1, 2]]
+    assert trials[0].value == pytest.approx(0.6) and trials[1].value == pytest.approx(0.6)
+    for t in trials:
+        check_the_config_repeats(t)  # composed with its job's own data.fold
+
+
 def test_search_presets_need_the_multirun_flag_and_their_experiment():
     require("hydra_plugins.hydra_optuna_sweeper", "pip install -e '.[dev]'")  # said first
     with pytest.raises(ConfigError, match="add -m"):

@@ -137,7 +137,7 @@ def _what(overrides: list[str]) -> tuple[str, ...]:
     return tuple(o for o in overrides if override_key(o) not in RUN_CONTROL)
 
 
-def _override_value(overrides: list[str], default: Any, key: str = "seed") -> Any:
+def override_value(overrides: list[str], default: Any, key: str = "seed") -> Any:
     """The value the override ``key`` (the seed, or ``data.fold``) gives, else ``default``."""
     for o in overrides:
         if override_key(o) == key:
@@ -242,11 +242,11 @@ def _orphan(
     status, summary, error = _job_status(job_dir)
     recorded = summary.get("seed")
     overrides = planned[num] if num < len(planned) else None
-    seed = _override_value(overrides or [], None)
+    seed = override_value(overrides or [], None)
     if None not in (seed, recorded) and seed != recorded:
         overrides = None  # another job's plan (the sweep's multirun.yaml was replaced?)
     seed = next((s for s in (seed, recorded, default_seed) if s is not None), None)
-    fold = _override_value(overrides or [], default_fold, "data.fold")
+    fold = override_value(overrides or [], default_fold, "data.fold")
     gone = f"its launch record ({LAUNCH_DIR}/) is gone"
     if overrides is None:
         what = {"ok": "finished", "failed": f"failed ({error})", "incomplete": error}[status]
@@ -285,8 +285,8 @@ def find_jobs(sweep_dir: Path, source: int = 0) -> list[Job]:
     started = {_what(j.overrides) for j in jobs if j.status != NO_LAUNCH}  # what they compute
     for num, overrides in enumerate(planned):
         if _what(overrides) not in started:  # the sweep was stopped before this job
-            seed = _override_value(overrides, default_seed)
-            fold = _override_value(overrides, default_fold, "data.fold")
+            seed = override_value(overrides, default_seed)
+            fold = override_value(overrides, default_fold, "data.fold")
             jobs.append(
                 Job(
                     sweep_dir / str(num),

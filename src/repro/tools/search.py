@@ -16,7 +16,7 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,21 +25,31 @@ from repro.base.files import OVERRIDES_FILE, hydra_quoted
 from repro.defense.config import RUN_CONTROL, SEARCH_CONTROL, find_conf_dir
 from repro.records.trust import check_received
 from repro.tools.comparisons import seed_order
-from repro.tools.report import Job, as_json, find_jobs, load_yaml, override_key, write_report
+from repro.tools.report import (
+    POOLED,
+    Job,
+    as_json,
+    find_jobs,
+    load_yaml,
+    override_key,
+    override_value,
+    write_report,
+)
 
 
 @dataclass
 class Trial:
     rank: int
-    overrides: list[str]  # what the trial computes, less its seed
-    value: float  # its headline metric in the search (the mean over its seeds)
+    overrides: list[str]  # what the trial computes, less its seed and fold
+    value: float  # its headline metric in the search (the mean over its seeds and folds)
     seeds: list[Any]  # the seeds it ran in the search
     job: Job
+    folds: list[Any] = field(default_factory=list)  # the data.fold values it ran, if any
 
 
 def _computes(o: str) -> bool:
     key = override_key(o)
-    controls = ("seed", *RUN_CONTROL, *SEARCH_CONTROL)
+    controls = (*POOLED, *RUN_CONTROL, *SEARCH_CONTROL)  # seeds and folds are replicates
     return not any(key == c or key.startswith(c + ".") for c in controls)
 
 
@@ -88,15 +98,30 @@ def top_trials(sweep_dir: Path, top: int) -> tuple[list[Trial], list[Any], str]:
     means = {key: statistics.fmean(j.summary[headline] for j in js) for key, js in configs.items()}
     ranked = sorted(configs, key=lambda key: means[key], reverse=better)  # stable: ties by job
     trials = [
-        Trial(i + 1, list(key), means[key], [j.seed for j in configs[key]], configs[key][0])
+        Trial(
+            i + 1, list(key), means[key], sorted({j.seed for j in configs[key]}, key=seed_order),
+            configs[key][0], _folds(configs[key]),
+        )
         for i, key in enumerate(ranked[:top])
-    ]
+    ]  # fmt: skip
     if not trials:
         raise ReproError(
             f"{sweep_dir}: no finished job has a finite {headline}; nothing to confirm."
         )
     seeds = sorted({j.seed for j in jobs if j.seed is not None}, key=seed_order)
     return trials, seeds, headline
+
+
+def _folds(jobs: list[Job]) -> list[Any]:
+    """The ``data.fold`` values a trial's jobs were launched with (a cross-validated search:
+    the folds are replicates of one config, as the seeds are), in order."""
+    folds = {override_value(j.overrides, None, "data.fold") for j in jobs}
+    return sorted((f for f in folds if f is not None), key=str)
+
+
+def _fold_override(job: Job) -> list[str]:
+    fold = override_value(job.overrides, None, "data.fold")
+    return [] if fold is None else [f"data.fold={fold}"]
 
 
 def check_the_config_repeats(trial: Trial, conf_dir: Path | None = None) -> None:
@@ -110,7 +135,9 @@ def check_the_config_repeats(trial: Trial, conf_dir: Path | None = None) -> None
     path = trial.job.dir / ".hydra" / "config.yaml"
     if not path.is_file():
         return
-    cfg = compose([*trial.overrides, f"seed={trial.job.seed}"], conf_dir)
+    cfg = compose(
+        [*trial.overrides, f"seed={trial.job.seed}", *_fold_override(trial.job)], conf_dir
+    )
     now = flatten(OmegaConf.to_container(cfg, resolve=False, enum_to_str=True))
     then = flatten(load_yaml(path))
     differ = sorted(
@@ -193,6 +220,7 @@ def confirm(
             "-m",
             *t.overrides,
             f"seed={','.join(map(str, chosen))}",
+            *([f"data.fold={','.join(map(str, t.folds))}"] if t.folds else []),
             f"hydra.sweep.dir={hydra_quoted(str(trial_dir))}",
             *(extra or []),
         ]
