@@ -378,7 +378,8 @@ def test_two_groups_of_a_sweep_are_compared_seed_by_seed(sequential, tmp_path):
         assert c["welch"]["p_value"] == pytest.approx(welch.pvalue, rel=1e-8, nan_ok=True)
     assert len(set(values(report, "optim.lr=0.1", "val_loss").values())) == 3
     assert acc["config_differs"] == ["optim.lr: 0.05 -> 0.1"] and not acc["environment_differs"]
-    assert acc["verdict"] in out.stdout and "| optim.lr=0.1 | val_accuracy | 3 | " in out.stdout
+    n = acc["decision"]["n"]  # the pairs the deciding test used (collapsed jobs left out)
+    assert acc["verdict"] in out.stdout and f"| optim.lr=0.1 | val_accuracy | {n} | " in out.stdout
     # the per-sample records are read: each group's headline gets its interval over seeds
     # and the 128 validation samples; a collapsed job (these tiny runs often are) is named
     # and left out of the comparison's interval, the loss (no per-sample records) by seeds

@@ -947,7 +947,8 @@ def format_comparisons(report: dict[str, Any]) -> list[str]:
     for c in comparisons:
         d = c.get("decision") or {}
         ci = d.get("ci95") or c.get("ci95")
-        seeds_ci = c.get("ci95")  # the paired t interval, or Welch's when unpaired
+        # the paired t interval, or Welch's when unpaired; none where the report makes no test
+        seeds_ci = None if d.get("no_verdict") else c.get("ci95")
         places = _decimals(*(v for v in [c.get("mean_diff"), *(ci or [])] if v))
         r = c.get("correlation")
         # the p the verdict rests on: Holm's, else the sign test's where a mean misleads
@@ -958,7 +959,7 @@ def format_comparisons(report: dict[str, Any]) -> list[str]:
             return "–" if v is None else f"{v:.{places}f}"
 
         lines.append(
-            f"| {c['group']} | {c['metric']} | {c['n']} | {fmt(d.get('mean_diff', c.get('mean_diff')))} | "
+            f"| {c['group']} | {c['metric']} | {_n(c)} | {fmt(d.get('mean_diff', c.get('mean_diff')))} | "
             + (f"[{fmt(ci[0])}, {fmt(ci[1])}]" if ci else "–")
             + f" | {by_what} | {'–' if p is None else format(p, '.2g')} | "
             + (f"[{fmt(seeds_ci[0])}, {fmt(seeds_ci[1])}]" if seeds_ci else "–")
@@ -1008,6 +1009,46 @@ def format_comparisons(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _plot_seeds(left: Any, groups: list[dict[str, Any]], metric: str, by_fold: bool) -> None:
+    """Each group's seed values of the headline on ``left``, lines joining a seed across
+    groups, collapsed seeds as red crosses, the axis from 0 for a metric in [0, 1]."""
+    by_seed: dict[Any, list[tuple[int, float]]] = {}
+    everything: list[float] = []
+    for x, g in enumerate(groups):
+        values, _ = per_seed(g, metric)
+        collapsed = {pair_key(j) for j in g["jobs"] if j.get("collapsed")}
+        for seed, v in values.items():
+            by_seed.setdefault(seed, []).append((x, v))
+        everything += values.values()
+        plain = [v for k, v in values.items() if k not in collapsed]
+        fallen = [v for k, v in values.items() if k in collapsed]
+        left.plot([x] * len(plain), plain, "o", ms=4, alpha=0.7, color="C0")
+        if fallen:
+            left.plot(
+                [x] * len(fallen), fallen, "x", ms=8, mew=2, color="C3",
+                label="collapsed seed" if x == 0 or not left.get_legend_handles_labels()[1] else None,
+            )  # fmt: skip
+    for points in by_seed.values():
+        if len(points) > 1:
+            left.plot(*zip(*points, strict=True), "-", color="gray", lw=0.7, alpha=0.5)
+    if everything and 0 <= min(everything) and max(everything) <= 1:
+        left.set_ylim(0, 1.02)
+    left.set_xticks(range(len(groups)))
+    left.set_xticklabels(
+        [(g["title"] or g["label"]).replace(" ", "\n") for g in groups], fontsize=7
+    )
+    left.set_ylabel(metric)
+    left.set_title(
+        "each (seed, fold) pair (lines join one across groups)"
+        if by_fold
+        else "each seed (lines join a seed across groups)",
+        fontsize=9,
+    )
+    left.grid(alpha=0.3, axis="y")
+    if left.get_legend_handles_labels()[1]:
+        left.legend(fontsize=7)
+
+
 def _plot_profiles(
     ax: Any, profiles: list[tuple[dict[str, Any], dict[str, Any]]], metric: str
 ) -> None:
@@ -1030,6 +1071,12 @@ def _plot_profiles(
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
+
+
+def _n(c: dict[str, Any]) -> str:
+    """The table's n: the pairs (or each side's seeds) the deciding test used."""
+    n = (c.get("decision") or {}).get("n", c["n"])
+    return "+".join(map(str, n)) if isinstance(n, list) else str(n)
 
 
 def _aggregate_lines(agg: dict[str, Any] | None) -> list[str]:
@@ -1088,42 +1135,8 @@ def plot_comparison(report: dict[str, Any], out_dir: Path) -> str | None:
     left, right = axes[0], axes[1]
     if profiles:
         _plot_profiles(axes[2], profiles, metric)
-    by_seed: dict[Any, list[tuple[int, float]]] = {}
-    everything: list[float] = []
-    for x, g in enumerate(groups):
-        values, _ = per_seed(g, metric)
-        collapsed = {pair_key(j) for j in g["jobs"] if j.get("collapsed")}
-        for seed, v in values.items():
-            by_seed.setdefault(seed, []).append((x, v))
-        everything += values.values()
-        plain = [v for k, v in values.items() if k not in collapsed]
-        fallen = [v for k, v in values.items() if k in collapsed]
-        left.plot([x] * len(plain), plain, "o", ms=4, alpha=0.7, color="C0")
-        if fallen:
-            left.plot(
-                [x] * len(fallen), fallen, "x", ms=8, mew=2, color="C3",
-                label="collapsed seed" if x == 0 or not left.get_legend_handles_labels()[1] else None,
-            )  # fmt: skip
-    for points in by_seed.values():
-        if len(points) > 1:
-            left.plot(*zip(*points, strict=True), "-", color="gray", lw=0.7, alpha=0.5)
-    if everything and 0 <= min(everything) and max(everything) <= 1:
-        left.set_ylim(0, 1.02)
-    left.set_xticks(range(len(groups)))
-    left.set_xticklabels(
-        [(g["title"] or g["label"]).replace(" ", "\n") for g in groups], fontsize=7
-    )
-    left.set_ylabel(metric)
     by_fold = any(c.get("by_fold") for c in shown)
-    left.set_title(
-        "each (seed, fold) pair (lines join one across groups)"
-        if by_fold
-        else "each seed (lines join a seed across groups)",
-        fontsize=9,
-    )
-    left.grid(alpha=0.3, axis="y")
-    if left.get_legend_handles_labels()[1]:
-        left.legend(fontsize=7)
+    _plot_seeds(left, groups, metric, by_fold)
     delta = (report.get("sesoi") or {}).get("delta")
     right.axhline(0, color="black", lw=1)
     if delta:
