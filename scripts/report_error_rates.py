@@ -16,9 +16,11 @@ path's situation:
                     (Dice 0 on every image): named, left out
     non-normal      paired, bimodal seed levels (shared) and heavy-tailed (t, 3 df) noise
     unpaired        other seeds for each config (5 + 5), the same images
-    folds           5 folds x 2 seeds, paired by (seed, fold); each experiment's data set
-                    moves every pair alike (the folds' shared training files: correlation
-                    1/(k - 1) between pairs, Nadeau and Bengio's model)
+    folds           5 folds x 2 seeds, paired by (seed, fold), each fold validating on its
+                    own images; each experiment's data set moves every pair alike (the
+                    folds' shared training files: correlation 1/k between pairs, Nadeau and
+                    Bengio's model)
+    folds, 1 seed   the same with one seed: 5 (seed, fold) pairs
     3 seeds         paired, 3 seeds: the fewest with a test
     2 seeds         paired, 2 seeds: no test, no interval (the report's rule)
     no per-sample records   "normal" without per-image scores: the seeds' paired t decides,
@@ -69,6 +71,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "non-normal": {"seeds": 6, "own": (0.006, 0.006, 0.03), "bimodal": True},
     "unpaired": {"seeds": 5, "own": (0.006, 0.006, 0.03), "unpaired": True},
     "folds": {"seeds": 2, "folds": 5, "own": (0.006, 0.006, 0.03)},
+    "folds, 1 seed": {"seeds": 1, "folds": 5, "own": (0.006, 0.006, 0.03)},
     "3 seeds": {"seeds": 3, "own": (0.006, 0.006, 0.03)},
     "2 seeds": {"seeds": 2, "own": (0.006, 0.006, 0.03)},
     "no per-sample records": {"seeds": 5, "own": (0.006, 0.006, 0.03), "no_samples": True},
@@ -127,20 +130,26 @@ def experiment(rng: np.random.Generator, spec: dict[str, Any], truth: float) -> 
             return rng.standard_t(3, shape) * sd / math.sqrt(3.0)
         return rng.normal(0, sd, shape)
 
+    fold_of = np.array([f for _ in range(seeds) for f in range(folds)])  # each unit's fold
+
+    def per_image(sd: float) -> np.ndarray:  # each fold validates on its own images
+        return noise((folds, images), sd)[fold_of]
+
     def config(shift: float, shared: np.ndarray) -> np.ndarray:
         return (
-            0.7 + shift + shared + noise((units, 1), s_sd) + noise((1, images), i_sd)
+            0.7 + shift + shared + noise((units, 1), s_sd) + per_image(i_sd)
             + noise((units, images), e_sd)
         )  # fmt: skip
 
     level = rng.normal(0, 0.05, (units, 1))
     if spec.get("bimodal"):  # half the seeds land low, half high: in both configs alike
         level = np.where(rng.random((units, 1)) < 0.5, -0.2, 0.2)
-    shared = level + rng.normal(0, 0.08, (1, images)) + rng.normal(0, 0.03, (units, images))
+    images_effect = rng.normal(0, 0.08, (folds, images))[fold_of]
+    shared = level + images_effect + rng.normal(0, 0.03, (units, images))
     base = config(0.0, shared)
-    if spec.get("unpaired"):  # the group ran other seeds: its own seed effects
-        other = rng.normal(0, 0.05, (units, 1)) + (shared - level)
-        group = config(truth, other)
+    if spec.get("unpaired"):  # other seeds: their own seed and seed-by-image draws
+        other = rng.normal(0, 0.05, (units, 1)) + images_effect
+        group = config(truth, other + rng.normal(0, 0.03, (units, images)))
     else:
         group = config(truth, shared)
     if folds > 1:  # the data set's draw moves every pair's difference alike: correlation

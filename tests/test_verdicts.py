@@ -156,8 +156,10 @@ def test_values_that_differ_by_round_off_are_the_same_not_significant(tmp_path):
 def test_two_seeds_give_no_verdict_and_the_seeds_needed(tmp_path):
     """A clear difference on 2 seeds: no interval, no test (their error rates are not held
     below 3 seeds), the observed difference and the seeds δ needs."""
-    _, c = comparison(tmp_path, design(0.003, 0.003, 0.03), seeds=range(2), sesoi=0.01)
+    report, c = comparison(tmp_path, design(0.003, 0.003, 0.03), seeds=range(2), sesoi=0.01)
     few = c["decision"]["few_seeds"]
+    (row,) = [r for r in format_markdown(report, {}).splitlines() if r.startswith("| optim.lr=0.1")]
+    assert "| – | no test (fewer than 3 seeds a config) | – | – |" in row  # no interval at all
     assert few["seeds"] == 2 and few["target"] == 0.01 and few["seeds_needed"] >= 2
     assert c["outcome"] == "can't tell" and "ci95" not in c["decision"]
     assert c["verdict"].startswith("can't tell, no test: 2 seeds a config, fewer than 3")
@@ -380,7 +382,8 @@ def load_script(name, monkeypatch):
 
 
 SCENARIOS = ["normal", "seeds", "images", "seed x image", "collapsed seed", "non-normal",
-             "unpaired", "folds", "3 seeds", "2 seeds", "no per-sample records"]  # fmt: skip
+             "unpaired", "folds", "folds, 1 seed", "3 seeds", "2 seeds",
+             "no per-sample records"]  # fmt: skip
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -473,6 +476,10 @@ def test_medians_iqms_and_p_of_improvement_over_seeds_and_samples(tmp_path):
     assert again["decision"]["distribution"]["aggregates"] == agg  # keyed: the same report
     assert "P(B > A) on a sample" in format_markdown(report, {})
     assert plot_comparison(report, tmp_path) == "comparison.png"
+    # a sample a config does not score is no loss: the same scores, half the images unscored
+    same = np.full((3, 8, 1), 0.5)
+    same[:, ::2] = np.nan
+    assert stats.robust_aggregates(same, same.copy(), True)["improvement"]["value"] == 0.5
 
 
 def test_the_samples_part_is_the_limit_of_a_bootstrap_of_the_samples():

@@ -118,7 +118,13 @@ def compare_groups(
             out["comparisons"].append(c)
     # every test the report makes is one family: each group against the baseline, on the
     # headline and on every metric asked for (--metric), Holm-corrected together
-    family = [c for c in out["comparisons"] if c.get("decision")]
+    family = [
+        c
+        for c in out["comparisons"]
+        if c.get("decision")
+        and not c["decision"].get("no_verdict")
+        and _p(c["decision"]) is not None
+    ]
     if len(family) > 1:
         adjusted = stats.holm([_p(c["decision"]) for c in family])
         equivalence = stats.holm([(c["decision"].get("tost") or {}).get("p_value") for c in family])
@@ -140,7 +146,8 @@ def path(c: dict[str, Any]) -> str:
     if not d:
         return "no test (no spread, or no value)"
     if d.get("few_seeds"):
-        return f"no test (fewer than {stats.FEW_SEEDS} seeds a config)"
+        each = "(seed, fold) pairs" if c.get("by_fold") else "seeds a config"
+        return f"no test (fewer than {stats.FEW_SEEDS} {each})"
     if d.get("no_verdict"):
         return "no test (cross-validated, unpaired)"
     if not c.get("paired"):
@@ -335,21 +342,17 @@ def _distribution(a: list[float], b: list[float], paired: bool) -> dict[str, Any
 
 def _correct_for_folds(c: dict[str, Any], decision: dict[str, Any], seeds: list[Any]) -> None:
     """Cross-validated jobs paired by (seed, fold): the folds share training files, so the
-    pairs are not independent and the deciding interval is widened by the corrected
-    resampled t-test (:func:`repro.tools.stats.fold_corrected`); ``folds_corrected`` records
-    the fold count and the factor the seeds' part grew by."""
+    pairs are not independent and the deciding interval is the corrected resampled t-test
+    (:func:`repro.tools.stats.fold_corrected`) on the pairs' differences. Each fold
+    validates on its own samples, so the pairs' spread already holds the samples' part:
+    none is added (a stratified samples' part would count it twice). ``folds_corrected``
+    records the fold count and the factor the variance grew by."""
     folds = len({k[1] for k in seeds if isinstance(k, tuple)})
     if not c.get("by_fold") or folds < 2 or not decision.get("se"):
         return
     level = c.get("two_level") if decision["by"] == "seeds and samples" else None
-    if level:
-        samples = level["samples"]
-        got = stats.fold_corrected(
-            decision["mean_diff"], level["seed_var"] + level["interaction_var"], len(seeds), folds,
-            level["sample_var"], sum(samples) - len(samples),
-        )  # fmt: skip
-    else:
-        got = stats.fold_corrected(decision["mean_diff"], decision["se"] ** 2, len(seeds), folds)
+    pairs_var = level["pairs_var"] if level else decision["se"] ** 2
+    got = stats.fold_corrected(decision["mean_diff"], pairs_var, len(seeds), folds)
     decision.update({k: got[k] for k in ("ci95", "p_value", "se", "df")})
     decision["folds_corrected"] = {"folds": folds, "factor": got["factor"]}
 
@@ -698,7 +701,7 @@ def verdict(c: dict[str, Any]) -> str:
         )
     if "ci95" not in c:
         return (
-            f"{prefix}can't tell: {how}, no spread to judge by; run 2 or more seeds of each "
+            f"{prefix}can't tell: {how}, no spread to judge by; run 3 or more seeds of each "
             "(seed='range(0,5)')"
         )
     d = c["mean_diff"]
@@ -938,7 +941,7 @@ def format_comparisons(report: dict[str, Any]) -> list[str]:
         "Difference = group − baseline. The interval that decides (95%): over seeds *and* "
         "evaluation samples where every paired job has its per-sample scores (the paired "
         "two-level interval), else over seeds (a paired t-test; Welch's unpaired). "
-        "Seeds only: the paired t interval, for contrast. r: the pairs' correlation (what "
+        "Seeds only: the seeds' t interval (paired; Welch's unpaired), for contrast. r: the pairs' correlation (what "
         "pairing gains)." + smallest + " docs/tools.md#is-b-better-than-a says how to read it.",
         "",
         "| group | metric | n | difference | 95% CI | decided by | p | seeds-only 95% CI | r |",
@@ -946,7 +949,7 @@ def format_comparisons(report: dict[str, Any]) -> list[str]:
     ]
     for c in comparisons:
         d = c.get("decision") or {}
-        ci = d.get("ci95") or c.get("ci95")
+        ci = d.get("ci95") if d else c.get("ci95")  # none where no test is made
         # the paired t interval, or Welch's when unpaired; none where the report makes no test
         seeds_ci = None if d.get("no_verdict") else c.get("ci95")
         places = _decimals(*(v for v in [c.get("mean_diff"), *(ci or [])] if v))
@@ -1151,7 +1154,7 @@ def plot_comparison(report: dict[str, Any], out_dir: Path) -> str | None:
             per = [b[k] - a[k] for k in c.get("seeds") or []]
         if per:
             right.plot([x] * len(per), per, "o", ms=4, alpha=0.7, color="C0")
-        ci = d.get("ci95") or c.get("ci95")
+        ci = d.get("ci95") if d else c.get("ci95")  # none where no test is made
         mean = d.get("mean_diff", c.get("mean_diff"))
         if ci and mean is not None:
             right.errorbar(

@@ -82,8 +82,9 @@ def higher_is_better(sweep_dir: Path, jobs: list[Job]) -> bool:
 
 def top_trials(sweep_dir: Path, top: int) -> tuple[list[Trial], list[Any], str]:
     """The ``top`` best distinct configs of a sweep's finished jobs, best first, by the
-    headline metric (its mean over the seeds a config ran: one seed in a search), the seeds
-    the sweep used, and the headline's name."""
+    headline metric (its mean over the seeds -- one seed in a search -- and the folds,
+    ``data.fold``, a config ran: both are replicates), the seeds the sweep used, and the
+    headline's name."""
     jobs = find_jobs(sweep_dir)
     done = [j for j in jobs if j.status == "ok"]
     if not done:

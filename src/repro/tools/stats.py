@@ -408,35 +408,37 @@ def _crossed(
     mean_diff: float,
     seeds: list[tuple[float, float, int]],
     samples: tuple[float, int],
-    interaction: list[float],
+    interaction: list[tuple[float, int]],
 ) -> dict[str, Any]:
     """The t test of ``mean_diff`` from the raw pieces of a crossed seeds x samples
     decomposition (each a variance of the mean): ``seeds``, one ``(raw, its seed-by-sample
     part, df)`` per config (the per-seed values' variance over S, which holds the
     seed-by-sample noise once); ``samples``, ``(raw, df)`` (each sample's influence's
     variance over N, which holds every config's seed-by-sample noise once); and
-    ``interaction``, each config's seed-by-sample part ``MS_e / (S N)``.
+    ``interaction``, each config's (each fold's) seed-by-sample part ``MS_e / (S N)`` with
+    its degrees of freedom ``(S - 1)(N - 1)``.
 
     The total, ``sum seeds + samples - sum interaction``, is the method of moments'
     unbiased estimate (the seed-by-sample noise counted once), floored at the interaction
-    (every component is >= 0; below :data:`FLOOR_SEED_DF` the degrees of freedom stay the
-    unfloored combination's). The components -- seeds ``raw - part``, samples ``raw - sum
+    (every component is >= 0; below :data:`FLOOR_SEED_DF` seeds' degrees of freedom the
+    floored total keeps the combination's denominator in its degrees of freedom). The components -- seeds ``raw - part``, samples ``raw - sum
     parts``, seed-by-sample ``sum parts`` -- are clamped at 0 for the shares. The degrees of
     freedom are Satterthwaite's for the total's combination of mean squares, the
     interaction's with a negative sign (fewer, so a wider interval, where the seeds' or the
     samples' own part is small: the price of counting the seed-by-sample noise once)."""
-    inter = sum(interaction)
+    inter = sum(v for v, _ in interaction)
     seed_parts = [(max(raw - part, 0.0), df) for raw, part, df in seeds]
     sample_part = (max(samples[0] - inter, 0.0), samples[1])
-    inter_parts = [(v, df * samples[1]) for v, (_, _, df) in zip(interaction, seeds, strict=True)]
+    inter_parts = list(interaction)
     total = sum(raw for raw, _, _ in seeds) + samples[0] - inter
     # (value, df) of each raw piece with its sign in the total
     terms = [(raw, df) for raw, _, df in seeds] + [samples] + [(-v, d) for v, d in inter_parts]
-    # every component is >= 0: the total is at least the interaction's. With few seeds the
-    # degrees of freedom stay the unbiased combination's -- a seeds' part estimated as 0 from
-    # 2 or 3 degrees of freedom is not known to be 0 (the interaction's many instead gave
-    # 7.3% false positives at a nominal 5% with 3 seeds, 5.4% with 4, by simulation); from
-    # FLOOR_SEED_DF on, the interaction's (5.2% with 5 seeds; the combination's there is
+    # every component is >= 0: the total is at least the interaction's. With few seeds its
+    # degrees of freedom keep the unbiased combination's denominator (the floored total over
+    # the combination's Satterthwaite terms) -- a seeds' part estimated as 0 from 2 or 3
+    # degrees of freedom is not known to be 0 (the interaction's many instead gave 7.3%
+    # false positives at a nominal 5% with 3 seeds, 5.4% with 4, by simulation); from
+    # FLOOR_SEED_DF on, the interaction's own (5.2% with 5 seeds; the other rule there is
     # needlessly wide where the seed-by-sample noise dominates: 98% coverage)
     if total < inter:
         total = inter
@@ -483,7 +485,7 @@ def two_level_unpaired(baseline: np.ndarray, group: np.ndarray) -> dict[str, Any
             (float(np.var(b, ddof=1)) / nb if nb > 1 else 0.0, ib, nb - 1),
         ],
         (_sample_piece(pb - pa.mean(axis=0)), n - 1),
-        [ia, ib],
+        [(ia, (na - 1) * (n - 1)), (ib, (nb - 1) * (n - 1))],
     )
     return _level(got, mean_diff, [int(n)])
 
@@ -535,18 +537,14 @@ def two_level(strata: list[Stratum]) -> dict[str, Any]:
         seeds, n = phi.shape
         if n > 1:
             sample_raw += weight * _sample_piece(phi)
-            interaction.append(weight * _interaction(phi) / (seeds * n))
-        sample_df += n - 1
-    inter = sum(interaction)
+            interaction.append((weight * _interaction(phi) / (seeds * n), (seeds - 1) * (n - 1)))
+        sample_df += max(n - 1, 0)
+    inter = sum(v for v, _ in interaction)
     seed_raw = statistics.variance(per_seed) / pairs if pairs > 1 else 0.0
-    got = _crossed(
-        mean_diff,
-        [(seed_raw, inter, pairs - 1)],
-        (sample_raw, max(sample_df, 0)),
-        [inter],
-    )
+    got = _crossed(mean_diff, [(seed_raw, inter, pairs - 1)], (sample_raw, sample_df), interaction)
     out = _level(got, mean_diff, [int(s.baseline.shape[1]) for s in strata])
     out["per_seed"] = per_seed
+    out["pairs_var"] = seed_raw  # the pairs' differences' variance over the pairs
     return out
 
 
@@ -569,7 +567,7 @@ def config_interval(
         mean,
         [(float(np.var(h, ddof=1)) / s if s > 1 else 0.0, inter, s - 1)],
         (_sample_piece(phi), n - 1),
-        [inter],
+        [(inter, (s - 1) * (n - 1))],
     )
     out = _level(got, mean, [int(n)])
     if bounds is not None:
@@ -654,11 +652,11 @@ def robust_aggregates(
     draws = int(min(BOOTSTRAP_DRAWS, max(_BOOTSTRAP_MIN, _BOOTSTRAP_WORK // ((sa + sb) * n))))
 
     def improvement(x: np.ndarray, y: np.ndarray) -> float:
-        if paired:
-            wins = (y > x) + 0.5 * (y == x)
-            return float(np.nanmean(wins))
-        wins = (y[:, None, :] > x[None, :, :]) + 0.5 * (y[:, None, :] == x[None, :, :])
-        return float(np.nanmean(wins))
+        if not paired:  # every seed pair
+            x, y = x[None, :, :], y[:, None, :]
+        wins = (y > x) + 0.5 * (y == x)
+        scored = np.isfinite(x) & np.isfinite(y)  # a sample without a score is no loss
+        return float(wins[np.broadcast_to(scored, wins.shape)].mean()) if scored.any() else math.nan
 
     def stat(x: np.ndarray, y: np.ndarray) -> list[float]:
         ma, qa = _median_iqm(x.ravel())
