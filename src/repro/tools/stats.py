@@ -580,6 +580,7 @@ def config_interval(
 BOOTSTRAP_DRAWS = 2000  # of robust_aggregates; fewer for large tables (its work is capped)
 _BOOTSTRAP_WORK = 20_000_000  # values drawn in all, at most (then at least _BOOTSTRAP_MIN draws)
 PROFILE_POINTS = 51  # thresholds of the performance profile
+_BOOTSTRAP_CHUNK = 2_000_000  # values of the draws computed together
 _BOOTSTRAP_MIN = 50  # draws however large the table (its Monte-Carlo error says so)
 
 
@@ -593,24 +594,61 @@ def per_sample_headline(x: np.ndarray) -> np.ndarray:
         return np.where(present, x, 0.0).sum(axis=2) / np.where(count > 0, count, np.nan)
 
 
-def _median_iqm(values: np.ndarray) -> tuple[float, float]:
-    """The median and the interquartile mean (:func:`iqm`) of ``values``' finite entries,
-    by partition (linear time)."""
-    x = values[np.isfinite(values)]
-    n = len(x)
-    if n == 0:
-        return math.nan, math.nan
-    lo, hi = n / 4.0, 3.0 * n / 4.0
-    a, b = math.floor(lo), min(math.ceil(hi), n) - 1
-    kth = sorted({a, b, (n - 1) // 2, n // 2})
-    part = np.partition(x, kth)
-    median = float((part[(n - 1) // 2] + part[n // 2]) / 2.0)
-    inner = part[a + 1 : b].sum() if b > a + 1 else 0.0
-    if a == b:
-        total = part[a] * (hi - lo)
-    else:
-        total = inner + part[a] * (a + 1 - lo) + part[b] * (hi - b)
-    return median, float(total / (hi - lo))
+def _sorted_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row of ``x`` (``draws x values``) sorted, NaN last, and its count of finite
+    values."""
+    return np.sort(x, axis=1), np.isfinite(x).sum(axis=1)
+
+
+def _median_iqm(rows: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The median and the interquartile mean (:func:`iqm`: a quarter cut from each end,
+    fractional values weighted) of each sorted row's ``m`` finite values; NaN for none."""
+    c, width = rows.shape
+    k1, k2 = np.maximum((m - 1) // 2, 0), np.maximum(m // 2, 0)
+    pick = np.take_along_axis
+    median = (pick(rows, k1[:, None], 1)[:, 0] + pick(rows, k2[:, None], 1)[:, 0]) / 2.0
+    idx = np.arange(width)[None, :]
+    lo, hi = (m / 4.0)[:, None], (3.0 * m / 4.0)[:, None]
+    w = np.clip(np.minimum(idx + 1, hi) - np.maximum(idx, lo), 0.0, None)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        iqm_ = (w * np.where(idx < m[:, None], rows, 0.0)).sum(axis=1) / (hi - lo)[:, 0]
+    empty = m == 0
+    return np.where(empty, np.nan, median), np.where(empty, np.nan, iqm_)
+
+
+def _improvement(x: np.ndarray, y: np.ndarray, paired: bool) -> np.ndarray:
+    """P(B > A) of each draw (``draws x seeds x samples`` each side): a sample's score under
+    the group against the baseline's on the same seed (paired) or every seed pair, ties a
+    half, samples either side does not score left out."""
+    if not paired:
+        x, y = x[:, None, :, :], y[:, :, None, :]
+    scored = np.isfinite(x) & np.isfinite(y)
+    wins = ((y > x) + 0.5 * (y == x)) * scored
+    axes = tuple(range(1, wins.ndim))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return wins.sum(axis=axes) / scored.sum(axis=axes)
+
+
+def _profiles(rows: np.ndarray, m: np.ndarray, tau: np.ndarray) -> np.ndarray:
+    """The share of each sorted row's finite values at or above each ``tau``."""
+    out = np.empty((len(rows), len(tau)))
+    for i, (row, k) in enumerate(zip(rows, m, strict=True)):
+        out[i] = (k - np.searchsorted(row[:k], tau, side="left")) / max(int(k), 1)
+    return out
+
+
+def _aggregate_batch(
+    x: np.ndarray, y: np.ndarray, paired: bool, tau: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The statistics of :func:`robust_aggregates` for a batch of draws (``draws x seeds x
+    samples`` a side): ``draws x 7`` and the profiles ``draws x 2 x points``."""
+    ra, ma = _sorted_rows(x.reshape(len(x), -1))
+    rb, mb = _sorted_rows(y.reshape(len(y), -1))
+    med_a, iqm_a = _median_iqm(ra, ma)
+    med_b, iqm_b = _median_iqm(rb, mb)
+    imp = _improvement(x, y, paired)
+    stats_ = np.stack([med_a, iqm_a, med_b, iqm_b, med_b - med_a, iqm_b - iqm_a, imp], axis=1)
+    return stats_, np.stack([_profiles(ra, ma, tau), _profiles(rb, mb, tau)], axis=1)
 
 
 def _percentile_ci(draws: np.ndarray) -> dict[str, Any]:
@@ -651,48 +689,35 @@ def robust_aggregates(
     rng = np.random.default_rng([key, sa, sb, n])
     draws = int(min(BOOTSTRAP_DRAWS, max(_BOOTSTRAP_MIN, _BOOTSTRAP_WORK // ((sa + sb) * n))))
 
-    def improvement(x: np.ndarray, y: np.ndarray) -> float:
-        if not paired:  # every seed pair
-            x, y = x[None, :, :], y[:, None, :]
-        wins = (y > x) + 0.5 * (y == x)
-        scored = np.isfinite(x) & np.isfinite(y)  # a sample without a score is no loss
-        return float(wins[np.broadcast_to(scored, wins.shape)].mean()) if scored.any() else math.nan
-
-    def stat(x: np.ndarray, y: np.ndarray) -> list[float]:
-        ma, qa = _median_iqm(x.ravel())
-        mb, qb = _median_iqm(y.ravel())
-        return [ma, qa, mb, qb, mb - ma, qb - qa, improvement(x, y)]
-
     finite = np.concatenate([a[np.isfinite(a)], b[np.isfinite(b)]])
     lo, hi = (float(finite.min()), float(finite.max())) if len(finite) else (0.0, 1.0)
     tau = np.linspace(lo, hi, PROFILE_POINTS)
-
-    def profile(x: np.ndarray) -> np.ndarray:  # the share of scores >= each tau
-        v = x[np.isfinite(x)]
-        counts = np.histogram(v, bins=np.append(tau, np.inf))[0]
-        return np.cumsum(counts[::-1])[::-1] / max(len(v), 1)
-
-    point = stat(a, b)
-    boot = np.empty((draws, len(point)))
+    point, point_curves = _aggregate_batch(a[None], b[None], paired, tau)
+    boot = np.empty((draws, point.shape[1]))
     curves = np.empty((draws, 2, PROFILE_POINTS))
-    for d in range(draws):
-        images = rng.integers(0, n, n)
-        rows_a = rng.integers(0, sa, sa)
-        rows_b = rows_a if paired else rng.integers(0, sb, sb)
-        x, y = a[np.ix_(rows_a, images)], b[np.ix_(rows_b, images)]
-        boot[d] = stat(x, y)
-        curves[d] = profile(x), profile(y)
+    chunk = max(1, _BOOTSTRAP_CHUNK // ((sa + sb) * n))  # draws computed together
+    for start in range(0, draws, chunk):
+        c = min(chunk, draws - start)
+        images = rng.integers(0, n, (c, 1, n))
+        rows_a = rng.integers(0, sa, (c, sa, 1))
+        rows_b = rows_a if paired else rng.integers(0, sb, (c, sb, 1))
+        boot[start : start + c], curves[start : start + c] = _aggregate_batch(
+            a[rows_a, images], b[rows_b, images], paired, tau
+        )
     names = ["baseline_median", "baseline_iqm", "group_median", "group_iqm",
              "median_diff", "iqm_diff", "improvement"]  # fmt: skip
     out: dict[str, Any] = {"draws": draws, "resampled": "seeds and samples", "key": key}
     for i, name in enumerate(names):
-        out[name] = {"value": point[i], **_percentile_ci(boot[:, i])}
+        out[name] = {"value": float(point[0, i]), **_percentile_ci(boot[:, i])}
     band = np.quantile(curves, [ALPHA / 2, 1 - ALPHA / 2], axis=0)  # 2 x 2 x points
     out["profile"] = {
         "tau": tau.tolist(),
         **{
-            side: {"share": profile(x).tolist(), "ci95": [band[0, k].tolist(), band[1, k].tolist()]}
-            for k, (side, x) in enumerate((("baseline", a), ("group", b)))
+            side: {
+                "share": point_curves[0, k].tolist(),
+                "ci95": [band[0, k].tolist(), band[1, k].tolist()],
+            }
+            for k, side in enumerate(("baseline", "group"))
         },
     }
     return out
