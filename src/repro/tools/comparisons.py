@@ -232,16 +232,18 @@ def judge(
             k: basic.get(k) for k in ("mean_diff", "ci95", "p_value", "se", "df", "sd_diff")
         }
     fewest = len(seeds) if c["paired"] else min(len(a), len(b))
-    level = None
+    strata: list[Any] | str = []
     if samples and fewest >= 2 and (c["paired"] or not c.get("by_fold")):
-        if c["paired"]:
-            level = _two_level(seeds, ok, SampleScores)
-        else:  # other seeds, the same samples: the samples' part is still there
-            level = _two_level_unpaired(ok, SampleScores)
-        if isinstance(level, str):
-            decision["why_seeds_only"] = level
+        # other seeds but the same samples (unpaired): the samples' part is still there
+        strata = _strata(seeds, ok, c["paired"], SampleScores)
+        if isinstance(strata, str):
+            decision["why_seeds_only"] = strata
         else:
-            c["two_level"] = level
+            c["two_level"] = (
+                stats.two_level(strata)
+                if c["paired"]
+                else stats.two_level_unpaired(strata[0].baseline, strata[0].group)
+            )
             decision["by"] = "seeds and samples"
     source = c["two_level"] if decision["by"] == "seeds and samples" else basic
     decision.update({k: source.get(k) for k in ("mean_diff", "ci95", "p_value", "se", "df")})
@@ -271,7 +273,10 @@ def judge(
     decision["signs"] = basic.get("signs")
     decision["distribution"] = _distribution(a, b, c["paired"])
     if aggregates and decision["by"] == "seeds and samples" and not c.get("by_fold"):
-        decision["distribution"]["aggregates"] = _aggregates(seeds, ok, c["paired"])
+        (one,) = strata  # the tables the two-level interval used
+        decision["distribution"]["aggregates"] = stats.robust_aggregates(
+            one.baseline, one.group, paired=c["paired"]
+        )
     c["decision"] = decision
 
 
@@ -357,7 +362,7 @@ def _correct_for_folds(c: dict[str, Any], decision: dict[str, Any], seeds: list[
     decision["folds_corrected"] = {"folds": folds, "factor": got["factor"]}
 
 
-def _score_tables(
+def score_tables(
     jobs: list[tuple[str, Any, Any]], kind: type, others: str
 ) -> tuple[Any, Any] | str:
     """The per-sample scores of ``jobs`` (``(side, key, job)``) as two arrays ``seeds x
@@ -385,51 +390,34 @@ def _score_tables(
     return np.array(tables["baseline"], float), np.array(tables["group"], float)
 
 
-def _two_level_unpaired(ok: dict[str, dict[Any, Any]], kind: type) -> dict | str:
-    """:func:`repro.tools.stats.two_level_unpaired` over every finished job of each side
-    (configs that ran other seeds), or why the per-sample scores cannot be used."""
-    if not ok["baseline"] or not ok["group"]:
-        return "a side has no finished job"
-    jobs = [
-        (side, k, job)
-        for side in ("baseline", "group")
-        for k, job in sorted(ok[side].items(), key=lambda kv: seed_order(kv[0]))
-    ]
-    tables = _score_tables(jobs, kind, "the other jobs compared")
-    return tables if isinstance(tables, str) else stats.two_level_unpaired(*tables)
-
-
-def _aggregates(seeds: list[Any], ok: dict[str, dict[Any, Any]], paired: bool) -> dict | None:
-    """:func:`repro.tools.stats.robust_aggregates` of the jobs the two-level interval used
-    (the paired ``seeds``, or every job of each side)."""
-    from repro.records.sample_records import SampleScores
-
-    if paired:
-        jobs = [(side, k, ok[side][k]) for side in ("baseline", "group") for k in seeds]
-    else:
+def _strata(
+    seeds: list[Any], ok: dict[str, dict[Any, Any]], paired: bool, kind: type
+) -> list[Any] | str:
+    """The per-sample score tables of the jobs compared, as
+    :class:`repro.tools.stats.Stratum` objects: paired, one a fold of the paired ``seeds``
+    (one in all without folds); unpaired (configs that ran other seeds), one of every
+    finished job of each side. Or why the per-sample scores cannot be used."""
+    if not paired:
+        if not ok["baseline"] or not ok["group"]:
+            return "a side has no finished job"
         jobs = [
             (side, k, job)
             for side in ("baseline", "group")
             for k, job in sorted(ok[side].items(), key=lambda kv: seed_order(kv[0]))
         ]
-    tables = _score_tables(jobs, SampleScores, "the other jobs compared")
-    return None if isinstance(tables, str) else stats.robust_aggregates(*tables, paired=paired)
-
-
-def _two_level(seeds: list[Any], ok: dict[str, dict[Any, Any]], kind: type) -> dict | str:
-    """:func:`repro.tools.stats.two_level` over the paired ``seeds`` (folds as strata), or why
-    the per-sample scores cannot be used."""
-    strata: dict[Any, list[Any]] = {}
+        tables = score_tables(jobs, kind, "the other jobs compared")
+        return tables if isinstance(tables, str) else [stats.Stratum(*tables)]
+    by_fold: dict[Any, list[Any]] = {}
     for k in seeds:
-        strata.setdefault(k[1] if isinstance(k, tuple) else None, []).append(k)
+        by_fold.setdefault(k[1] if isinstance(k, tuple) else None, []).append(k)
     built = []
-    for keys in strata.values():
+    for keys in by_fold.values():
         jobs = [(side, k, ok[side][k]) for k in keys for side in ("baseline", "group")]
-        tables = _score_tables(jobs, kind, "the other jobs of its fold")
+        tables = score_tables(jobs, kind, "the other jobs of its fold")
         if isinstance(tables, str):
             return tables
         built.append(stats.Stratum(*tables))
-    return stats.two_level(built)
+    return built
 
 
 def _key_text(key: Any) -> str:

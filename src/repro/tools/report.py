@@ -461,27 +461,16 @@ def _config_interval(ok: list[Job], bounds: Any) -> dict[str, Any] | None:
     """The headline's interval over seeds *and* evaluation samples
     (:func:`repro.tools.stats.config_interval`) where every finished job scored the same
     samples, else None (the seeds' interval stands alone)."""
-    import numpy as np
-
     from repro.records.sample_records import SampleScores
+    from repro.tools.comparisons import score_tables
     from repro.tools.stats import config_interval
 
-    rows = []
-    names = None
-    for j in ok:
-        if not isinstance(j.scores, SampleScores):
-            return None
-        if names is None:
-            names, columns = sorted(j.scores.names), j.scores.columns
-        elif sorted(j.scores.names) != names or j.scores.columns != columns:
-            return None
-        row = dict(zip(j.scores.names, j.scores.values, strict=True))
-        rows.append([row[n] for n in names])
-    if len(rows) < 2 or not names or len(names) < 2:
+    tables = score_tables([("baseline", j.seed, j) for j in ok], SampleScores, "the others")
+    if isinstance(tables, str) or len(tables[0]) < 2 or tables[0].shape[1] < 2:
         return None
-    got = config_interval(np.array(rows, float), tuple(bounds) if bounds else None)
+    got = config_interval(tables[0], tuple(bounds) if bounds else None)
     keep = ("mean", "ci95", "se", "df", "seed_var", "sample_var", "interaction_var", "shares")
-    return {k: got[k] for k in keep} | {"samples": len(names)}
+    return {k: got[k] for k in keep} | {"samples": int(tables[0].shape[1])}
 
 
 def _read_samples(jobs: list[Job]) -> None:

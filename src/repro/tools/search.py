@@ -117,7 +117,7 @@ def _folds(jobs: list[Job]) -> list[Any]:
     """The ``data.fold`` values a trial's jobs were launched with (a cross-validated search:
     the folds are replicates of one config, as the seeds are), in order."""
     folds = {override_value(j.overrides, None, "data.fold") for j in jobs}
-    return sorted((f for f in folds if f is not None), key=str)
+    return sorted((f for f in folds if f is not None), key=seed_order)
 
 
 def _fold_override(job: Job) -> list[str]:

@@ -87,13 +87,8 @@ def mean_interval(values: list[float]) -> dict[str, Any]:
 def iqm(values: list[float]) -> float:
     """The interquartile mean: the mean of the middle 50% (a quarter cut from each end,
     fractional observations weighted, as rliable computes it for whole quarters)."""
-    x = np.sort(np.asarray(values, dtype=float))
-    n = len(x)
-    lo, hi = n / 4.0, 3.0 * n / 4.0
-    total = 0.0
-    for i, v in enumerate(x):  # the share of [i, i+1) inside [lo, hi)
-        total += v * max(0.0, min(i + 1, hi) - max(i, lo))
-    return float(total / (hi - lo))
+    rows, m = _sorted_rows(np.asarray([values], dtype=float))
+    return float(_median_iqm(rows, m)[1][0])
 
 
 def _test(mean_diff: float, se: float, df: float) -> dict[str, Any]:
@@ -364,8 +359,13 @@ def headline(scores: np.ndarray, weights: np.ndarray | None = None) -> np.ndarra
 
 def influence(x: np.ndarray) -> np.ndarray:
     """Each sample's influence on each seed's headline (``seeds x samples``) from the
-    per-sample scores ``x[seed, sample, component]`` (NaN: not scored): see
-    :func:`_sample_variance`."""
+    per-sample scores ``x[seed, sample, component]`` (NaN: not scored). The influence of
+    sample i on a component's mean over the samples where it is scored, ``R_k = sum_i x_ik
+    / sum_i p_ik``, is ``(x_ik - R_k p_ik) / mean_i p_ik``, averaged over the components
+    each seed scores: the linearisation of the headline (the delta method), which is what a
+    bootstrap of the samples converges to -- exactly, where the headline is the samples'
+    plain mean -- without Monte-Carlo error and in time linear in seeds x samples x
+    components. NaN where a seed scores no component."""
     present = np.isfinite(x)
     filled = np.where(present, x, 0.0)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -374,6 +374,11 @@ def influence(x: np.ndarray) -> np.ndarray:
         each = (filled - ratio * present) / share  # NaN: a component a seed never scores
         scored = np.isfinite(ratio).sum(axis=2)
         return np.nansum(each, axis=2) / scored
+
+
+def _scored(phi: np.ndarray) -> np.ndarray:
+    """The columns (samples) of ``phi`` that every seed scores."""
+    return phi[:, np.isfinite(phi).all(axis=0)]
 
 
 def _sample_piece(phi: np.ndarray) -> float:
@@ -399,9 +404,9 @@ def _interaction(phi: np.ndarray) -> float:
     return float(np.sum(resid**2)) / ((s - 1) * (n - 1))
 
 
-FLOOR_SEED_DF = (
-    4  # the seeds' degrees of freedom from which a floored total takes the interaction's
-)
+# The seeds' degrees of freedom from which a floored two-level total takes the
+# interaction's degrees of freedom (see _crossed).
+FLOOR_SEED_DF = 4
 
 
 def _crossed(
@@ -421,18 +426,16 @@ def _crossed(
     The total, ``sum seeds + samples - sum interaction``, is the method of moments'
     unbiased estimate (the seed-by-sample noise counted once), floored at the interaction
     (every component is >= 0; below :data:`FLOOR_SEED_DF` seeds' degrees of freedom the
-    floored total keeps the combination's denominator in its degrees of freedom). The components -- seeds ``raw - part``, samples ``raw - sum
-    parts``, seed-by-sample ``sum parts`` -- are clamped at 0 for the shares. The degrees of
+    floored total keeps the combination's denominator in its degrees of freedom). The
+    components -- seeds ``raw - part``, samples ``raw - sum parts``, seed-by-sample ``sum
+    parts`` -- are clamped at 0 for the shares. The degrees of
     freedom are Satterthwaite's for the total's combination of mean squares, the
     interaction's with a negative sign (fewer, so a wider interval, where the seeds' or the
     samples' own part is small: the price of counting the seed-by-sample noise once)."""
     inter = sum(v for v, _ in interaction)
-    seed_parts = [(max(raw - part, 0.0), df) for raw, part, df in seeds]
-    sample_part = (max(samples[0] - inter, 0.0), samples[1])
-    inter_parts = list(interaction)
     total = sum(raw for raw, _, _ in seeds) + samples[0] - inter
     # (value, df) of each raw piece with its sign in the total
-    terms = [(raw, df) for raw, _, df in seeds] + [samples] + [(-v, d) for v, d in inter_parts]
+    terms = [(raw, df) for raw, _, df in seeds] + [samples] + [(-v, d) for v, d in interaction]
     # every component is >= 0: the total is at least the interaction's. With few seeds its
     # degrees of freedom keep the unbiased combination's denominator (the floored total over
     # the combination's Satterthwaite terms) -- a seeds' part estimated as 0 from 2 or 3
@@ -443,13 +446,13 @@ def _crossed(
     if total < inter:
         total = inter
         if min(df for _, _, df in seeds) >= FLOOR_SEED_DF:
-            terms = inter_parts
+            terms = list(interaction)
     den = sum(v**2 / df for v, df in terms if v and df > 0)
     df = total**2 / den if den > 0 else max(1.0, float(sum(d for _, d in terms)))
     out = _test(mean_diff, math.sqrt(total), max(1.0, df))
     components = {
-        "seeds": sum(v for v, _ in seed_parts),
-        "samples": sample_part[0],
+        "seeds": sum(max(raw - part, 0.0) for raw, part, _ in seeds),
+        "samples": max(samples[0] - inter, 0.0),
         "seed_x_sample": inter,
     }
     out["components"] = components
@@ -532,8 +535,7 @@ def two_level(strata: list[Stratum]) -> dict[str, Any]:
     sample_raw, interaction, sample_df = 0.0, [], 0
     for s in strata:
         weight = (s.baseline.shape[0] / pairs) ** 2
-        phi = influence(s.group) - influence(s.baseline)
-        phi = phi[:, np.isfinite(phi).all(axis=0)]  # the samples every seed scores
+        phi = _scored(influence(s.group) - influence(s.baseline))
         seeds, n = phi.shape
         if n > 1:
             sample_raw += weight * _sample_piece(phi)
@@ -559,8 +561,7 @@ def config_interval(
     h = headline(scores)
     s = len(h)
     mean = float(np.mean(h))
-    phi = influence(scores)
-    phi = phi[:, np.isfinite(phi).all(axis=0)]
+    phi = _scored(influence(scores))
     n = phi.shape[1]
     inter = _interaction(phi) / (s * n) if n else 0.0
     got = _crossed(
